@@ -1,0 +1,41 @@
+"""Context parallelism for branch attention (drafter co-training under CP).
+
+- layout: BranchLayout (the attention rule) and builders for EAGLE-3 TTT, DFlash, DSpark.
+- zigzag: zigzag sharding of packed sequences, padding rule, branch ownership.
+- dense: dense_branch_attention, the explicit-mask oracle.
+- branch_attention: cp_branch_attention, the packed zigzag ring with branch-local attention.
+- lse, ring, kernels: the LSE merge, the P2P ring, the pluggable block kernels.
+- megatron_adapter: a core_attention module for megatron-core layer specs (imported on demand).
+"""
+
+from cotrain.parallel.branch_attention import CPStats, cp_branch_attention, ring_plan
+from cotrain.parallel.dense import branch_attention_mask, dense_branch_attention
+from cotrain.parallel.kernels import BlockKernel, BlockMask, FlashVarlenBlockKernel, TorchBlockKernel, default_kernel
+from cotrain.parallel.layout import (
+    BranchLayout,
+    cu_seqlens_from_lengths,
+    dflash_layout,
+    dspark_layout,
+    eagle3_ttt_layout,
+    sample_anchors,
+)
+from cotrain.parallel.lse import merge_lse, merge_lse_
+from cotrain.parallel.ring import RingComm
+from cotrain.parallel.zigzag import (
+    anchor_owner,
+    padded_seqlens,
+    shard_branches,
+    unshard_branches,
+    zigzag_index,
+    zigzag_shard,
+    zigzag_unshard,
+)
+
+__all__ = [
+    "BlockKernel", "BlockMask", "BranchLayout", "CPStats", "FlashVarlenBlockKernel", "RingComm",
+    "TorchBlockKernel", "anchor_owner", "branch_attention_mask", "cp_branch_attention",
+    "cu_seqlens_from_lengths", "default_kernel", "dense_branch_attention", "dflash_layout",
+    "dspark_layout", "eagle3_ttt_layout", "merge_lse", "merge_lse_", "padded_seqlens", "ring_plan",
+    "sample_anchors", "shard_branches", "unshard_branches", "zigzag_index", "zigzag_shard",
+    "zigzag_unshard",
+]

@@ -1,0 +1,355 @@
+"""cp_branch_attention: branch attention (cotrain.parallel.layout's rule) on zigzag shards of a CP group.
+
+Rank r holds the zigzag shard of the main q, k, v (cotrain.parallel.zigzag) and the q, k, v of the
+branches whose anchors it holds. With Q_r = [main queries of r; branch queries of r]:
+
+    forward:  for step t = 0 .. C-1:  (K, V) = main shard of rank (r - t) mod C, arriving over the ring
+                 (out_r, lse_r) <- LSE-merge((out_r, lse_r), block(Q_r, K, V, mask for that shard))
+              plus once, locally: branch queries x own branch K/V (intra rule), merged the same way.
+
+Only main K/V travel (each step sends one shard, C-1 steps), so the bytes a rank sends do not
+depend on the number or depth of the branches:
+    forward   (C-1) * 2 * local_len * Hk * D * sizeof(dtype)
+    backward  (C-1) * 2 * local_len * Hk * D * sizeof(dtype)     K/V around the ring again
+            +  C    * 2 * local_len * Hk * D * 4                  fp32 dK/dV travelling back
+(0 for C = 1). In the backward, dQ stays where its query lives; the dK/dV of each main shard ride
+the ring with it, every rank adds its contribution, and after C hops they are back at the owner
+(ring-flash-attention's scheme). Branch dK/dV are local.
+
+Partial results are merged in fp32; out is returned in the inputs' dtype, lse in fp32. The LSE
+outputs are differentiable. Padding rows (see the zigzag padding rule) get out = 0, lse = -inf and
+no gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from cotrain.parallel.kernels import CAUSAL, FULL, MASKED, BlockKernel, BlockMask, Tile, default_kernel
+from cotrain.parallel.layout import BranchLayout
+from cotrain.parallel.lse import merge_lse_
+from cotrain.parallel.ring import RingComm, group_rank_and_size
+
+DEFAULT_MAX_TILE = 1024
+
+
+@dataclass
+class CPStats:
+    """Counters one can pass to cp_branch_attention (they accumulate over calls)."""
+
+    bytes_sent_forward: int = 0
+    bytes_sent_backward: int = 0
+    pairs_computed: int = 0  # forward query-key pairs inside computed tiles (ring + branch-local)
+    pairs_allowed: int = 0  # forward query-key pairs the mask makes visible
+    calls: int = 0
+
+
+# ----- the plan: per (layout, rank) metadata and tiles ------------------------------------------------
+
+@dataclass
+class _QueryRun:
+    seq: int
+    q0: int
+    q1: int
+    hi_min: int
+    hi_max: int
+    lo_min: int
+    lo_max: int
+    piece: Optional[tuple[int, int]] = None  # main queries: positions [start, stop); None for branches
+
+
+@dataclass
+class _KeyRun:
+    seq: int
+    k0: int
+    k1: int
+    p0: int
+    p1: int
+
+
+@dataclass
+class RingPlan:
+    """Everything cp_branch_attention needs besides the tensors; cached on the layout."""
+
+    cp_size: int
+    rank: int
+    local_len: int
+    local_branch_tokens: int
+    ring_masks: list[BlockMask]  # indexed by the rank whose main K/V shard the block holds
+    intra_mask: Optional[BlockMask]
+
+
+def _split(start: int, stop: int, max_tile: int):
+    for a in range(start, stop, max_tile):
+        yield a, min(a + max_tile, stop)
+
+
+def _window_lo(hi: int, window: Optional[int]) -> int:
+    return 0 if window is None else hi - window + 1
+
+
+def _key_runs(layout: BranchLayout, rank: int, max_tile: int) -> list[_KeyRun]:
+    runs = []
+    for r in layout.zigzag_runs(rank):
+        for p0, p1 in _split(r.start, r.real_stop, max_tile):  # padding keys can never be visible
+            off = r.local_start + (p0 - r.start)
+            runs.append(_KeyRun(r.seq, off, off + (p1 - p0), p0, p1))
+    return runs
+
+
+def _build_plan(layout: BranchLayout, rank: int, device: torch.device, max_tile: int) -> RingPlan:
+    C, w = layout.cp_size, layout.window
+    T = layout.local_len
+
+    # Main queries: hi = own position, lo = hi - w + 1; padding rows see nothing (hi = -1).
+    seg, lo, hi = (torch.empty(T, dtype=torch.int64) for _ in range(3))
+    qruns: list[_QueryRun] = []
+    for r in layout.zigzag_runs(rank):
+        rows = slice(r.local_start, r.local_start + (r.stop - r.start))
+        pos = torch.arange(r.start, r.stop)
+        real = pos < r.real_stop
+        seg[rows] = r.seq
+        hi[rows] = torch.where(real, pos, torch.full_like(pos, -1))
+        lo[rows] = torch.where(real, pos - (w - 1), torch.zeros_like(pos)) if w is not None else 0
+        for p0, p1 in _split(r.start, r.real_stop, max_tile):
+            off = r.local_start + (p0 - r.start)
+            qruns.append(_QueryRun(r.seq, off, off + p1 - p0, p0, p1 - 1, _window_lo(p0, w), _window_lo(p1 - 1, w), (p0, p1)))
+
+    # Branch queries: every token of branch b has hi = c_b (its last visible context position).
+    ids = layout.local_branches(rank)
+    lens = layout.branch_lens[ids]
+    NBt = int(lens.sum())
+    b_seq, b_last = layout.branch_seqs[ids], layout.context_last[ids]
+    b_seg = torch.repeat_interleave(b_seq, lens)
+    b_hi = torch.repeat_interleave(b_last, lens)
+    b_lo = b_hi - (w - 1) if w is not None else torch.zeros_like(b_hi)
+    # Group consecutive branches of one sequence and one anchor chunk (tight tiles), <= max_tile rows.
+    chunk = layout.padded_seqlens[b_seq] // (2 * C) if C > 1 else torch.ones_like(b_seq)
+    group_key = list(zip(b_seq.tolist(), (layout.anchor_positions[ids] // chunk).tolist()))
+    offs = [0] + torch.cumsum(lens, 0).tolist()
+    start = 0
+    for i in range(len(group_key) + 1):
+        if i == len(group_key) or (
+            i > start and (group_key[i] != group_key[start] or offs[i + 1] - offs[start] > max_tile)
+        ):
+            if i > start:
+                his, los = b_last[start:i], b_lo[offs[start] : offs[i]]
+                qruns.append(_QueryRun(group_key[start][0], T + offs[start], T + offs[i], int(his.min()),
+                                       int(his.max()), int(los.min()), int(los.max())))
+            start = i
+
+    q_seg = torch.cat([seg, b_seg])
+    q_lo = torch.cat([lo, b_lo])
+    q_hi = torch.cat([hi, b_hi])
+
+    by_seq: dict[int, list[_QueryRun]] = {}
+    for qr in qruns:
+        by_seq.setdefault(qr.seq, []).append(qr)
+
+    ring_masks = []
+    for src in range(C):
+        k_seg = torch.empty(T, dtype=torch.int64)
+        k_pos = torch.empty(T, dtype=torch.int64)
+        for r in layout.zigzag_runs(src):
+            rows = slice(r.local_start, r.local_start + (r.stop - r.start))
+            k_seg[rows] = r.seq
+            k_pos[rows] = torch.arange(r.start, r.stop)
+        tiles = []
+        for kr in _key_runs(layout, src, max_tile):
+            for qr in by_seq.get(kr.seq, ()):
+                if kr.p0 > qr.hi_max or kr.p1 - 1 < qr.lo_min:
+                    continue  # nothing visible
+                if qr.hi_min >= kr.p1 - 1 and qr.lo_max <= kr.p0:
+                    kind = FULL
+                elif src == rank and qr.piece == (kr.p0, kr.p1):
+                    kind = CAUSAL
+                else:
+                    kind = MASKED
+                tiles.append(Tile(qr.q0, qr.q1, kr.k0, kr.k1, kind))
+        tiles.sort(key=lambda t: (t.q0, t.k0))
+        ring_masks.append(BlockMask(tiles, q_seg, q_lo, q_hi, k_seg, k_pos, w).to(device))
+
+    intra_mask = None
+    if NBt:
+        local_id = torch.repeat_interleave(torch.arange(ids.numel()), lens)
+        j = torch.arange(NBt) - torch.repeat_interleave(torch.tensor(offs[:-1], dtype=torch.int64), lens)
+        j_hi = j if layout.intra == "causal" else torch.repeat_interleave(lens - 1, lens)
+        tiles = []
+        start = 0
+        for i in range(1, ids.numel() + 1):
+            if i == ids.numel() or offs[i + 1] - offs[start] > max_tile:
+                single = i - start == 1
+                kind = (FULL if layout.intra == "full" else CAUSAL) if single else MASKED
+                tiles.append(Tile(offs[start], offs[i], offs[start], offs[i], kind))
+                start = i
+        intra_mask = BlockMask(tiles, local_id, torch.zeros_like(j), j_hi, local_id, j, None).to(device)
+
+    return RingPlan(C, rank, T, NBt, ring_masks, intra_mask)
+
+
+def ring_plan(layout: BranchLayout, rank: int, device: torch.device | str = "cpu", max_tile: int = DEFAULT_MAX_TILE) -> RingPlan:
+    """The (cached) plan of rank `rank` for `layout`."""
+    device = torch.device(device)
+    key = ("plan", rank, str(device), max_tile)
+    if key not in layout._cache:
+        layout._check_rank(rank)
+        layout._cache[key] = _build_plan(layout, rank, device, max_tile)
+    return layout._cache[key]
+
+
+# ----- autograd ----------------------------------------------------------------------------------
+
+class _CPBranchAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bq, bk, bv, plan: RingPlan, group, kernel: BlockKernel, scale: float, stats):
+        C, rank, T = plan.cp_size, plan.rank, plan.local_len
+        q_all = torch.cat([q, bq]) if bq.shape[0] else q
+        out = torch.zeros(q_all.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q_all.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        comm = RingComm(group, tag=0) if C > 1 else None
+        for step in range(C):
+            if step + 1 < C:
+                next_kv = comm.send_recv(kv)
+                comm.commit()
+            src = (rank - step) % C
+            block_out, block_lse = kernel.forward(q_all, kv[0], kv[1], plan.ring_masks[src], scale)
+            merge_lse_(out, lse, block_out, block_lse)
+            if step == 0 and plan.intra_mask is not None:
+                # Branch-local attention: the branch K/V never leave this rank.
+                block_out, block_lse = kernel.forward(bq, bk, bv, plan.intra_mask, scale)
+                merge_lse_(out[T:], lse[T:], block_out, block_lse)
+            if step + 1 < C:
+                comm.wait()
+                kv = next_kv
+        if stats is not None:
+            masks = [plan.ring_masks[(rank - s) % C] for s in range(C)]
+            masks += [plan.intra_mask] if plan.intra_mask is not None else []
+            stats.calls += 1
+            stats.bytes_sent_forward += comm.bytes_sent if comm is not None else 0
+            stats.pairs_computed += sum(m.pairs_computed() for m in masks)
+            stats.pairs_allowed += sum(m.pairs_allowed() for m in masks)
+        ctx.save_for_backward(q, k, v, bq, bk, bv, out, lse)
+        ctx.plan, ctx.group, ctx.kernel, ctx.scale, ctx.stats = plan, group, kernel, scale, stats
+        return (
+            out[:T].to(q.dtype, copy=True), lse[:T].clone(), out[T:].to(q.dtype, copy=True), lse[T:].clone()
+        )
+
+    @staticmethod
+    def backward(ctx, dout, dlse, dbout, dblse):
+        q, k, v, bq, bk, bv, out, lse = ctx.saved_tensors
+        plan, group, kernel, scale = ctx.plan, ctx.group, ctx.kernel, ctx.scale
+        C, rank, T = plan.cp_size, plan.rank, plan.local_len
+        q_all = torch.cat([q, bq]) if bq.shape[0] else q
+        dout_all = torch.cat([dout, dbout]).float()
+        dlse_all = torch.cat([dlse, dblse]).float()
+        dq_all = torch.zeros(q_all.shape, dtype=torch.float32, device=q.device)
+        dbk = torch.zeros(bk.shape, dtype=torch.float32, device=bk.device)
+        dbv = torch.zeros(bv.shape, dtype=torch.float32, device=bv.device)
+
+        kv = torch.stack([k, v])
+        kv_comm = RingComm(group, tag=1) if C > 1 else None
+        dkv_comm = RingComm(group, tag=2) if C > 1 else None
+        dkv = next_dkv = None
+        for step in range(C):
+            if step + 1 < C:
+                next_kv = kv_comm.send_recv(kv)
+                kv_comm.commit()
+            src = (rank - step) % C
+            dq_b, dk_b, dv_b = kernel.backward(dout_all, q_all, kv[0], kv[1], out, lse, plan.ring_masks[src], scale, dlse_all)
+            dq_all += dq_b
+            if step == 0 and plan.intra_mask is not None:
+                dbq_b, dbk, dbv = kernel.backward(
+                    dout_all[T:], bq, bk, bv, out[T:], lse[T:], plan.intra_mask, scale, dlse_all[T:]
+                )
+                dq_all[T:] += dbq_b
+            block = torch.stack([dk_b, dv_b])
+            if step == 0:
+                dkv = block
+            else:
+                dkv_comm.wait()  # the dK/dV of shard src, accumulated by the ranks it visited before
+                dkv = next_dkv + block
+            if step + 1 < C:
+                kv_comm.wait()
+                kv = next_kv
+            if C > 1:
+                next_dkv = dkv_comm.send_recv(dkv)
+                dkv_comm.commit()
+        if C > 1:
+            dkv_comm.wait()  # our own shard's dK/dV, back from its last visitor
+            dkv = next_dkv
+        if ctx.stats is not None and C > 1:
+            ctx.stats.bytes_sent_backward += kv_comm.bytes_sent + dkv_comm.bytes_sent
+        return (
+            dq_all[:T].to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
+            dq_all[T:].to(bq.dtype), dbk.to(bk.dtype), dbv.to(bv.dtype),
+            None, None, None, None, None,
+        )
+
+
+def _check(name: str, t: torch.Tensor, shape: tuple, hint: str) -> None:
+    if t.dim() != len(shape) or tuple(t.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape} ({hint})")
+
+
+def cp_branch_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bq: Optional[torch.Tensor],
+    bk: Optional[torch.Tensor],
+    bv: Optional[torch.Tensor],
+    layout: BranchLayout,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    softmax_scale: Optional[float] = None,
+    kernel: Optional[BlockKernel] = None,
+    stats: Optional[CPStats] = None,
+    max_tile: int = DEFAULT_MAX_TILE,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Branch attention over a CP group; same meaning as dense_branch_attention, on local shards.
+
+    q (L, H, D), k and v (L, Hk, D): this rank's zigzag shard of the main tensors
+    (L = layout.local_len; see zigzag_shard). bq (Lb, H, D), bk and bv (Lb, Hk, D): the tokens of
+    the branches this rank owns, branch by branch (Lb = layout.local_branch_tokens(rank); see
+    shard_branches), or None when this rank owns no branch.
+    group: the CP process group (None: the default group, or no group at all when
+    torch.distributed is not initialised, which means CP = 1). Its size must equal layout.cp_size.
+    Returns out (L, H, D), lse (L, H), bout (Lb, H, D), blse (Lb, H); all ranks must call it (and
+    its backward) together.
+    """
+    rank, size = group_rank_and_size(group)
+    if size != layout.cp_size:
+        raise ValueError(
+            f"the CP group has {size} ranks but layout.cp_size is {layout.cp_size}; "
+            f"build the layout for this group (layout.with_cp({size}))"
+        )
+    if q.dim() != 3:
+        raise ValueError(f"q must be (tokens, heads, head_dim), got shape {tuple(q.shape)}")
+    L, H, D = q.shape
+    Hk = k.shape[1] if k.dim() == 3 else -1
+    _check("q", q, (layout.local_len, H, D), f"rank {rank}'s zigzag shard holds layout.local_len = {layout.local_len} rows")
+    _check("k", k, (L, Hk, D), "same rows and head_dim as q")
+    _check("v", v, (L, Hk, D), "same shape as k")
+    if H % Hk:
+        raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({Hk})")
+    Lb = layout.local_branch_tokens(rank)
+    if bq is None and bk is None and bv is None:
+        bq, bk, bv = q.new_zeros(0, H, D), k.new_zeros(0, Hk, D), v.new_zeros(0, Hk, D)
+    elif bq is None or bk is None or bv is None:
+        raise ValueError("bq, bk and bv must be given together (or all None when this rank owns no branch)")
+    hint = f"rank {rank} owns {layout.local_branches(rank).numel()} branches with layout.local_branch_tokens({rank}) = {Lb} tokens"
+    _check("bq", bq, (Lb, H, D), hint)
+    _check("bk", bk, (Lb, Hk, D), hint)
+    _check("bv", bv, (Lb, Hk, D), hint)
+    for name, t in (("k", k), ("v", v), ("bq", bq), ("bk", bk), ("bv", bv)):
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name} is {t.dtype} on {t.device}; q is {q.dtype} on {q.device} (all must match)")
+    plan = ring_plan(layout, rank, q.device, max_tile)
+    scale = D**-0.5 if softmax_scale is None else float(softmax_scale)
+    kernel = default_kernel(q.device) if kernel is None else kernel
+    return _CPBranchAttention.apply(q, k, v, bq, bk, bv, plan, group, kernel, scale, stats)

@@ -1,0 +1,258 @@
+"""Block attention kernels: (q, k, v, mask, scale) -> (out, lse), and the matching backward.
+
+A block is one set of queries against one set of keys (a rank's queries against the K/V shard that
+has just arrived over the ring, or its branch queries against its own branch K/V). The mask rule is
+an interval rule on integer metadata:
+
+    query i may see key j  <=>  q_seg[i] == k_seg[j]  and  q_lo[i] <= k_pos[j] <= q_hi[i]
+
+and it is only evaluated inside the listed tiles (contiguous query rows x contiguous key rows);
+pairs outside every tile are masked. A tile is "full" (every pair visible), "causal" (a diagonal
+tile: the same positions on both sides, q_hi = position, q_lo = position - window + 1) or
+"masked" (the rule decides pair by pair). Rows that see nothing get out = 0 and lse = -inf.
+
+Forward, per tile (fp32):  S = scale q k^T (masked to -inf), lse = logsumexp_j S, out = exp(S - lse) v,
+and tiles that share query rows are merged by cotrain.parallel.lse. Backward, given the final
+(out, lse) of each row and the incoming dout, dlse:
+    P = exp(S - lse),  delta = rowsum(dout * out) - dlse,  dS = P * (dout v^T - delta),
+    dq = scale dS k,  dk = scale dS^T q,  dv = P^T dout
+(the dlse term makes the LSE output differentiable: d lse_i / d S_ij = P_ij). Grouped-query
+attention: query head h uses K/V head h // (H / Hk); dk, dv sum over the heads of a group.
+
+TorchBlockKernel runs anywhere. FlashVarlenBlockKernel hands full and causal tiles to flash-attn's
+varlen kernel (CUDA, fp16/bf16, dlse = 0) and every other tile to the torch kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+
+from cotrain.parallel.lse import merge_lse_
+
+FULL, CAUSAL, MASKED = "full", "causal", "masked"
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Query rows [q0, q1) x key rows [k0, k1) and how the mask looks inside."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    kind: str = MASKED
+
+    @property
+    def pairs(self) -> int:
+        return (self.q1 - self.q0) * (self.k1 - self.k0)
+
+
+@dataclass
+class BlockMask:
+    """The interval rule of the module docstring, restricted to `tiles`."""
+
+    tiles: list[Tile]
+    q_seg: torch.Tensor
+    q_lo: torch.Tensor
+    q_hi: torch.Tensor
+    k_seg: torch.Tensor
+    k_pos: torch.Tensor
+    window: Optional[int] = None  # the sliding window "causal" tiles carry (for kernels that need it)
+
+    def allowed(self, tile: Tile) -> torch.Tensor:
+        """(q1 - q0, k1 - k0) bool mask of one tile."""
+        q = slice(tile.q0, tile.q1)
+        k = slice(tile.k0, tile.k1)
+        kpos = self.k_pos[k][None, :]
+        return (
+            (self.q_seg[q][:, None] == self.k_seg[k][None, :])
+            & (kpos >= self.q_lo[q][:, None])
+            & (kpos <= self.q_hi[q][:, None])
+        )
+
+    def pairs_computed(self) -> int:
+        """Query-key pairs inside the tiles: the work a dense-tile kernel does."""
+        return sum(t.pairs for t in self.tiles)
+
+    def pairs_allowed(self) -> int:
+        """Query-key pairs the rule makes visible."""
+        return sum(t.pairs if t.kind == FULL else int(self.allowed(t).sum()) for t in self.tiles)
+
+    def to(self, device: torch.device) -> "BlockMask":
+        return BlockMask(
+            self.tiles, self.q_seg.to(device), self.q_lo.to(device), self.q_hi.to(device),
+            self.k_seg.to(device), self.k_pos.to(device), self.window,
+        )
+
+
+class BlockKernel(Protocol):
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (Nq, H, D), k/v (Nk, Hk, D) -> out (Nq, H, D) fp32, lse (Nq, H) fp32."""
+
+    def backward(
+        self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        lse: torch.Tensor, mask: BlockMask, scale: float, dlse: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients (fp32) w.r.t. q, k, v of this block, given each row's final out and lse."""
+
+
+def _heads(q: torch.Tensor, hk: int) -> torch.Tensor:
+    """(n, H, D) -> (Hk, g, n, D) fp32."""
+    n, h, d = q.shape
+    return q.float().reshape(n, hk, h // hk, d).permute(1, 2, 0, 3)
+
+
+def _unheads(x: torch.Tensor) -> torch.Tensor:
+    """(Hk, g, n, ...) -> (n, H, ...)."""
+    hk, g, n = x.shape[:3]
+    return x.permute(2, 0, 1, *range(3, x.dim())).reshape(n, hk * g, *x.shape[3:])
+
+
+def _finite_or_zero(lse: torch.Tensor) -> torch.Tensor:
+    # exp(S - lse) for a row that sees nothing: S = -inf everywhere; use lse = 0 so P = 0, not nan.
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+class TorchBlockKernel:
+    """Dense fp32 attention per tile in plain torch (CPU or GPU)."""
+
+    def _scores(self, q, k, mask: BlockMask, tile: Tile, scale: float):
+        hk = k.shape[1]
+        qt = _heads(q[tile.q0 : tile.q1], hk)  # (Hk, g, n, D)
+        kt = k[tile.k0 : tile.k1].float().permute(1, 0, 2).unsqueeze(1)  # (Hk, 1, m, D)
+        s = torch.matmul(qt, kt.transpose(-1, -2)) * scale  # (Hk, g, n, m)
+        if tile.kind != FULL:
+            s = s.masked_fill(~mask.allowed(tile), float("-inf"))
+        return qt, kt, s
+
+    def forward(self, q, k, v, mask: BlockMask, scale: float):
+        nq, h, d = q.shape
+        hk = k.shape[1]
+        out = torch.zeros(nq, h, d, dtype=torch.float32, device=q.device)
+        lse = torch.full((nq, h), float("-inf"), dtype=torch.float32, device=q.device)
+        for tile in mask.tiles:
+            _, _, s = self._scores(q, k, mask, tile, scale)
+            tile_lse = torch.logsumexp(s, dim=-1)  # (Hk, g, n)
+            p = torch.exp(s - _finite_or_zero(tile_lse).unsqueeze(-1))
+            vt = v[tile.k0 : tile.k1].float().permute(1, 0, 2).unsqueeze(1)  # (Hk, 1, m, D)
+            tile_out = torch.matmul(p, vt)  # (Hk, g, n, D)
+            rows = slice(tile.q0, tile.q1)
+            merge_lse_(out[rows], lse[rows], _unheads(tile_out), _unheads(tile_lse))
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, mask: BlockMask, scale: float, dlse=None):
+        hk = k.shape[1]
+        delta = (dout.float() * out.float()).sum(-1)  # (Nq, H)
+        if dlse is not None:
+            delta = delta - dlse.float()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        for tile in mask.tiles:
+            rows, cols = slice(tile.q0, tile.q1), slice(tile.k0, tile.k1)
+            qt, kt, s = self._scores(q, k, mask, tile, scale)
+            p = torch.exp(s - _finite_or_zero(_heads(lse[rows].unsqueeze(-1), hk).squeeze(-1)).unsqueeze(-1))
+            do = _heads(dout[rows], hk)  # (Hk, g, n, D)
+            vt = v[cols].float().permute(1, 0, 2).unsqueeze(1)  # (Hk, 1, m, D)
+            dp = torch.matmul(do, vt.transpose(-1, -2))  # (Hk, g, n, m)
+            ds = p * (dp - _heads(delta[rows].unsqueeze(-1), hk))
+            dq[rows] += _unheads(torch.matmul(ds, kt)) * scale
+            dk[cols] += (torch.matmul(ds.transpose(-1, -2), qt).sum(1) * scale).permute(1, 0, 2)
+            dv[cols] += torch.matmul(p.transpose(-1, -2), do).sum(1).permute(1, 0, 2)
+        return dq, dk, dv
+
+
+class FlashVarlenBlockKernel:
+    """flash-attn's varlen kernel for full and causal tiles; the torch kernel for the rest.
+
+    Every flash-eligible tile becomes one varlen "sequence" (its query rows and key rows gathered),
+    so one flash call per tile kind covers a whole block. Needs CUDA, fp16/bf16 inputs and no LSE
+    gradient; otherwise (or for fp32) it defers to the torch kernel entirely.
+    NOTE: written against flash-attn 2.x's varlen interface; not exercised in CPU-only CI.
+    """
+
+    def __init__(self) -> None:
+        from flash_attn import flash_attn_varlen_func  # noqa: F401  (fails early if absent)
+        from flash_attn.flash_attn_interface import _flash_attn_varlen_backward  # noqa: F401
+
+        self._torch = TorchBlockKernel()
+
+    @staticmethod
+    def _usable(q: torch.Tensor) -> bool:
+        return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+    @staticmethod
+    def _gather(tiles: list[Tile], device):
+        qi = torch.cat([torch.arange(t.q0, t.q1) for t in tiles]).to(device)
+        ki = torch.cat([torch.arange(t.k0, t.k1) for t in tiles]).to(device)
+        cq = torch.tensor([0] + [t.q1 - t.q0 for t in tiles], device=device).cumsum(0).to(torch.int32)
+        ck = torch.tensor([0] + [t.k1 - t.k0 for t in tiles], device=device).cumsum(0).to(torch.int32)
+        mq = max(t.q1 - t.q0 for t in tiles)
+        mk = max(t.k1 - t.k0 for t in tiles)
+        return qi, ki, cq, ck, mq, mk
+
+    def _groups(self, mask: BlockMask):
+        flash = {FULL: [], CAUSAL: []}
+        rest = []
+        for t in mask.tiles:
+            (flash[t.kind] if t.kind in flash else rest).append(t)
+        window = (-1, -1) if mask.window is None else (mask.window - 1, 0)
+        return [(tiles, kind == CAUSAL, window if kind == CAUSAL else (-1, -1)) for kind, tiles in flash.items() if tiles], rest
+
+    def forward(self, q, k, v, mask: BlockMask, scale: float):
+        if not self._usable(q):
+            return self._torch.forward(q, k, v, mask, scale)
+        from flash_attn import flash_attn_varlen_func
+
+        groups, rest = self._groups(mask)
+        out, lse = self._torch.forward(q, k, v, BlockMask(rest, mask.q_seg, mask.q_lo, mask.q_hi, mask.k_seg, mask.k_pos, mask.window), scale)
+        for tiles, causal, window in groups:
+            qi, ki, cq, ck, mq, mk = self._gather(tiles, q.device)
+            o, l, _ = flash_attn_varlen_func(
+                q[qi], k[ki], v[ki], cq, ck, mq, mk, dropout_p=0.0, softmax_scale=scale, causal=causal,
+                window_size=window, return_attn_probs=True,
+            )
+            # Tiles of one group may share query rows: merge them one tile at a time.
+            l = l.transpose(0, 1).float()  # (total_q, H)
+            for idx, t in enumerate(tiles):
+                a, b = int(cq[idx]), int(cq[idx + 1])
+                merge_lse_(out[t.q0 : t.q1], lse[t.q0 : t.q1], o[a:b].float(), l[a:b])
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, mask: BlockMask, scale: float, dlse=None):
+        if not self._usable(q) or (dlse is not None and bool(dlse.any())):
+            return self._torch.backward(dout, q, k, v, out, lse, mask, scale, dlse)
+        from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
+
+        groups, rest = self._groups(mask)
+        dq, dk, dv = self._torch.backward(
+            dout, q, k, v, out, lse,
+            BlockMask(rest, mask.q_seg, mask.q_lo, mask.q_hi, mask.k_seg, mask.k_pos, mask.window), scale,
+        )
+        for tiles, causal, window in groups:
+            qi, ki, cq, ck, mq, mk = self._gather(tiles, q.device)
+            qg, kg, vg = q[qi], k[ki], v[ki]
+            dqg, dkg, dvg = torch.empty_like(qg), torch.empty_like(kg), torch.empty_like(vg)
+            _flash_attn_varlen_backward(
+                dout[qi].to(q.dtype), qg, kg, vg, out[qi].to(q.dtype), lse[qi].transpose(0, 1).contiguous(),
+                dqg, dkg, dvg, cq, ck, mq, mk, 0.0, scale, causal, window[0], window[1], 0.0, None, False, None,
+            )
+            dq.index_add_(0, qi, dqg.float())
+            dk.index_add_(0, ki, dkg.float())
+            dv.index_add_(0, ki, dvg.float())
+        return dq, dk, dv
+
+
+def default_kernel(device: torch.device | str | None = None) -> BlockKernel:
+    """flash-attn's kernel on CUDA when it imports, the torch kernel otherwise."""
+    if device is not None and torch.device(device).type == "cuda":
+        try:
+            return FlashVarlenBlockKernel()
+        except ImportError:
+            pass
+    return TorchBlockKernel()
