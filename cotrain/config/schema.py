@@ -1,0 +1,836 @@
+"""The typed configuration schema of cotrain.
+
+Every section is a strict pydantic v2 model: unknown keys are errors, values are not coerced
+between types (``"2"`` is not an int, ``true`` is not a number), and every field has a default so a
+config file only states what differs from ``configs/base.yaml``. Each field's docstring is its
+documentation (``docs/config.md`` is generated from them by ``python -m cotrain.config.docgen``).
+
+Values left ``null`` with a documented "null = ..." meaning are resolved by
+:func:`cotrain.config.validate.check_config`, so a validated :class:`CotrainConfig` holds concrete
+values (``cluster.device`` is ``cpu`` or ``cuda``, ``run.output_dir`` is set, ...).
+
+Drafter kinds come from a registry (:func:`register_draft_kind`): each kind has a config model
+(a :class:`DraftKindConfig` subclass) whose section lives under ``draft.<kind>``. ``eagle3``,
+``dflash`` and ``dspark`` are registered here; a new kind plugs in by registering its class,
+without editing any union.
+"""
+
+from __future__ import annotations
+
+import re
+import typing
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+__all__ = [
+    "StrictModel",
+    "RunConfig",
+    "ClusterConfig",
+    "ParallelConfig",
+    "OptimizerConfig",
+    "PolicyConfig",
+    "SamplingConfig",
+    "NgramConfig",
+    "SpeculativeConfig",
+    "RolloutConfig",
+    "DraftKindConfig",
+    "Eagle3Config",
+    "DFlashConfig",
+    "DSparkConfig",
+    "DraftConfig",
+    "GrpoConfig",
+    "ArithmeticConfig",
+    "JsonlConfig",
+    "EvalConfig",
+    "DataConfig",
+    "RewardConfig",
+    "WandbConfig",
+    "MlflowConfig",
+    "LoggingConfig",
+    "CheckpointConfig",
+    "CotrainConfig",
+    "DRAFT_LOSSES",
+    "register_draft_kind",
+    "get_draft_kind",
+    "draft_kinds",
+    "speculative_methods",
+]
+
+PosInt = Annotated[int, Field(ge=1)]
+NonNegInt = Annotated[int, Field(ge=0)]
+NonNegFloat = Annotated[float, Field(ge=0)]
+PosFloat = Annotated[float, Field(gt=0)]
+
+
+class StrictModel(BaseModel):
+    """Base of every config model: unknown keys are errors, no type coercion, docs from docstrings."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        validate_default=True,
+        use_attribute_docstrings=True,
+    )
+
+
+# --------------------------------------------------------------------------------------------- run
+class RunConfig(StrictModel):
+    """Identity of the run and where it writes."""
+
+    name: str = "cotrain"
+    """Run name: names the default output directory and the run in TensorBoard / W&B / MLflow
+    (letters, digits, `.`, `_`, `-`)."""
+    output_dir: str | None = None
+    """Directory for everything the run writes (TensorBoard events, checkpoints, the resolved
+    config). null = `runs/<name>` (relative to the working directory)."""
+    seed: int = 0
+    """Global seed: data order, sampling seeds, initialisation of new weights."""
+
+    @field_validator("name")
+    @classmethod
+    def _name_chars(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", v):
+            raise ValueError(f"{v!r} has characters outside [A-Za-z0-9._-]")
+        return v
+
+
+# ----------------------------------------------------------------------------------------- cluster
+_RAY_ADDRESS_FORMS = "null, 'local', 'auto', 'ray://HOST:PORT', 'http://HOST:PORT', 'HOST:PORT'"
+
+
+class ClusterConfig(StrictModel):
+    """The Ray cluster and the resources the run may use.
+
+    Validation checks the run's needs against these numbers (see docs/config.md, "Resources").
+    When cotrain starts a local Ray it passes `cpus_per_node` / `gpus_per_node` to `ray.init`,
+    so on CPU `cpus_per_node` is a count of *logical* Ray CPUs and may exceed the cores.
+    """
+
+    ray_address: str | None = None
+    """Ray cluster to join. null = the cluster of `ray job submit` if the job set RAY_ADDRESS,
+    else start a local Ray; 'local' = always start a local Ray; 'auto' = an already running
+    cluster on this machine; 'ray://HOST:PORT', 'http://HOST:PORT' (the dashboard, e.g.
+    http://127.0.0.1:8265) or 'HOST:PORT' (the GCS) = that cluster."""
+    num_nodes: PosInt = 1
+    """Number of nodes the run may use."""
+    cpus_per_node: PosInt | None = None
+    """Ray CPUs per node. null = the CPU count of the machine running the driver."""
+    gpus_per_node: NonNegInt = 0
+    """GPUs per node (0 on CPU machines)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device of the trainers and engines. auto = cuda when gpus_per_node > 0, else cpu."""
+
+    @field_validator("ray_address")
+    @classmethod
+    def _address_form(cls, v: str | None) -> str | None:
+        if v is None or v in ("local", "auto"):
+            return v
+        if re.fullmatch(r"(ray|https?)://[^\s/:]+(:\d+)?/?", v) or re.fullmatch(r"[^\s/:]+:\d+", v):
+            return v
+        raise ValueError(f"{v!r} is not a Ray address (allowed: {_RAY_ADDRESS_FORMS})")
+
+
+# ------------------------------------------------------------------------------------------ policy
+class ParallelConfig(StrictModel):
+    """Megatron parallel degrees of the policy. World size = tensor * pipeline * context * data."""
+
+    tensor: PosInt = 1
+    """Tensor parallel degree (TP): must divide the attention heads and the key/value heads."""
+    pipeline: PosInt = 1
+    """Pipeline parallel degree (PP): must divide the number of layers."""
+    context: PosInt = 1
+    """Context parallel degree (CP): sequences are split in 2*CP zigzag chunks, so
+    policy.max_seq_len must be divisible by 2*CP."""
+    data: PosInt = 1
+    """Data parallel degree (DP)."""
+
+
+class OptimizerConfig(StrictModel):
+    """AdamW settings."""
+
+    lr: PosFloat = 1e-5
+    """Peak learning rate."""
+    betas: Annotated[list[Annotated[float, Field(ge=0, lt=1)]], Field(min_length=2, max_length=2)] = [
+        0.9,
+        0.999,
+    ]
+    """Adam betas [beta1, beta2]."""
+    eps: PosFloat = 1e-8
+    """Adam epsilon."""
+    weight_decay: NonNegFloat = 0.0
+    """Decoupled weight decay."""
+    clip_grad: NonNegFloat = 1.0
+    """Clip the global gradient norm to this value (0 = no clipping)."""
+    warmup_steps: NonNegInt = 0
+    """Linear warm-up steps (optimizer steps)."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """Learning-rate schedule after warm-up."""
+    min_lr: NonNegFloat = 0.0
+    """Final learning rate of the cosine schedule."""
+
+
+class PolicyConfig(StrictModel):
+    """The policy being trained (a megatron-core GPTModel built from a HF checkpoint)."""
+
+    model_path: str = "builtin:tiny"
+    """'builtin:tiny' = the built-in tiny Qwen3 model (built and cached locally), else a Hugging
+    Face checkpoint directory (config.json + safetensors)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter / compute dtype of trainers and engines."""
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    """Parallel degrees."""
+    micro_batch_size: PosInt = 4
+    """Sequences per micro batch on one data-parallel rank."""
+    max_seq_len: Annotated[int, Field(ge=2)] = 256
+    """Longest prompt + response in tokens (at most the model's max_position_embeddings)."""
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    """Policy optimizer."""
+    reference_model: bool = False
+    """Keep a frozen copy of the initial policy for the KL-to-reference metric and penalty
+    (required when grpo.kl_coef > 0)."""
+    cpus_per_worker: PosInt = 1
+    """Ray CPUs reserved by each training worker (one worker per rank)."""
+
+
+# ----------------------------------------------------------------------------------------- rollout
+class SamplingConfig(StrictModel):
+    """Sampling parameters of the rollouts."""
+
+    temperature: NonNegFloat = 1.0
+    """Sampling temperature (0 = greedy)."""
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    """Nucleus sampling mass (1 = off)."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off, else >= 1)."""
+    max_tokens: PosInt = 32
+    """Maximum generated tokens per sample (must be < policy.max_seq_len)."""
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v != -1 and v < 1:
+            raise ValueError(f"{v} is not allowed (allowed: -1 = off, or >= 1)")
+        return v
+
+
+class NgramConfig(StrictModel):
+    """Prompt-lookup (n-gram) speculation settings."""
+
+    prompt_lookup_min: PosInt = 1
+    """Smallest n-gram matched in the prompt."""
+    prompt_lookup_max: PosInt = 4
+    """Largest n-gram matched in the prompt (>= prompt_lookup_min)."""
+
+
+class SpeculativeConfig(StrictModel):
+    """Speculative decoding in the rollout engines (vLLM `speculative_config`)."""
+
+    method: str | None = None
+    """null (off), 'ngram', 'draft_model', or a drafter method: 'eagle3', 'dflash', 'dspark'
+    (every registered drafter kind). A drafter method needs draft.kind of the same name (the
+    co-trained drafter) or an explicit draft_model."""
+    num_speculative_tokens: PosInt | None = None
+    """Draft tokens proposed per step. null = the drafter's default (block_size - 1 for block
+    drafters, 3 otherwise)."""
+    draft_model: str | None = None
+    """Directory of drafter weights in vLLM's format: required for 'draft_model'; for a drafter
+    method it is the initial drafter (co-trained from there when draft.cotrain)."""
+    ngram: NgramConfig = Field(default_factory=NgramConfig)
+    """Settings of method 'ngram'."""
+    draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
+    """How the drafter proposes tokens: its argmax, or sampled from its distribution."""
+
+    @field_validator("method")
+    @classmethod
+    def _method(cls, v: str | None) -> str | None:
+        if v is not None and v not in speculative_methods():
+            allowed = ", ".join(["null", *speculative_methods()])
+            raise ValueError(f"{v!r} is not a speculative method (allowed: {allowed})")
+        return v
+
+
+class RolloutConfig(StrictModel):
+    """Rollout (generation) engines: one vLLM engine per Ray actor."""
+
+    engine: Literal["vllm"] = "vllm"
+    """Generation backend."""
+    num_engines: PosInt = 1
+    """Number of engines."""
+    tensor_parallel: PosInt = 1
+    """Tensor parallel degree inside each engine (must divide the attention heads; on cuda an
+    engine's GPUs are on one node)."""
+    cpus_per_engine: PosInt = 1
+    """Ray CPUs reserved by each engine."""
+    gpus_per_engine: NonNegFloat | None = None
+    """GPUs reserved by each engine. null = tensor_parallel on cuda, 0 on cpu."""
+    colocate: bool = False
+    """Engines share the training workers' devices (GPU memory split by gpu_memory_utilization)
+    instead of having their own; resources must fit max(training, rollout) instead of the sum."""
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None
+    """Fraction of device memory for weights + KV cache (of RAM on cpu). Exclusive with
+    kv_cache_memory_bytes. When both are null: cpu -> kv_cache_memory_bytes = 256 MiB;
+    cuda -> 0.85 (0.4 when colocated)."""
+    kv_cache_memory_bytes: PosInt | None = None
+    """Explicit KV-cache size in bytes (exclusive with gpu_memory_utilization)."""
+    enforce_eager: bool | None = None
+    """Disable CUDA graphs / compilation. null = true on cpu, false on cuda."""
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """Sampling parameters."""
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    """Speculative decoding."""
+    weight_transport: Literal["auto", "shm", "cuda_ipc", "nccl"] = "auto"
+    """How trained weights reach the engines: shm (CPU bytes in shared memory, one node),
+    cuda_ipc (colocated GPUs), nccl (broadcast). auto = cuda_ipc when colocated on cuda, nccl on
+    cuda otherwise, shm on cpu."""
+
+
+# -------------------------------------------------------------------------------------- draft kinds
+DRAFT_LOSSES: tuple[str, ...] = ("soft_ce", "forward_kl", "hard_ce", "dspark_l1", "e2e_tv")
+_COMMON_LOSSES: tuple[str, ...] = ("soft_ce", "forward_kl", "hard_ce", "e2e_tv")
+
+
+def spread_layers(n: int, lo: int, hi: int) -> list[int]:
+    """``n`` distinct layer ids spread evenly over ``[lo, hi]`` (fewer when the range is smaller)."""
+    if hi < lo or n < 1:
+        return []
+    if n == 1:
+        return [(lo + hi) // 2]
+    return sorted({round(lo + i * (hi - lo) / (n - 1)) for i in range(n)})
+
+
+class DraftKindConfig(StrictModel):
+    """Base of a drafter kind's settings (the ``draft.<kind>`` section).
+
+    Subclasses set the class variables and may override the ``default_*`` methods and
+    :meth:`check`. Tap layer ids count decoder layers from 0 and name the layer whose *output*
+    is tapped (0 <= id < num_hidden_layers); export code translates to vLLM's conventions.
+    """
+
+    #: the rollout.speculative.method that serves this kind in vLLM (None: not servable)
+    vllm_method: ClassVar[str | None] = None
+    #: loss used when draft.loss is null
+    default_loss: ClassVar[str] = "soft_ce"
+    #: values draft.loss may take for this kind
+    allowed_losses: ClassVar[tuple[str, ...]] = _COMMON_LOSSES
+    #: whether vLLM can serve this method on the CPU backend
+    serves_on_cpu: ClassVar[bool] = True
+
+    tap_layers: list[Annotated[int, Field(ge=0)]] | None = None
+    """Target layers whose outputs feed the drafter (0-based). null = the kind's default."""
+
+    def default_tap_layers(self, num_hidden_layers: int) -> list[int]:
+        """Tap layers used when ``tap_layers`` is null."""
+        return spread_layers(3, 0, num_hidden_layers - 1)
+
+    def default_num_speculative_tokens(self) -> int:
+        """rollout.speculative.num_speculative_tokens when it is null."""
+        return 3
+
+    def max_speculative_tokens(self) -> int | None:
+        """Most draft tokens per step this drafter is trained for (None: no limit)."""
+        return None
+
+    def check(self, num_hidden_layers: int) -> list[tuple[str, str]]:
+        """Cross-checks against the target; returns (path relative to the section, message)."""
+        issues: list[tuple[str, str]] = []
+        taps = self.tap_layers or []
+        if self.tap_layers is not None and not taps:
+            issues.append(("tap_layers", "must list at least one layer "
+                           f"(allowed: ids in 0..{num_hidden_layers - 1}, or null = default)"))
+        for i, t in enumerate(taps):
+            if not 0 <= t < num_hidden_layers:
+                issues.append((f"tap_layers[{i}]", f"{t} is not a layer of the target "
+                               f"(allowed: 0..{num_hidden_layers - 1}; num_hidden_layers="
+                               f"{num_hidden_layers})"))
+        if len(set(taps)) != len(taps):
+            issues.append(("tap_layers", f"{taps} has duplicates (allowed: distinct ids in "
+                           f"0..{num_hidden_layers - 1})"))
+        return issues
+
+    def resolve(self, num_hidden_layers: int) -> None:
+        """Fill null fields that depend on the target."""
+        if self.tap_layers is None:
+            self.tap_layers = self.default_tap_layers(num_hidden_layers)
+
+
+class Eagle3Config(DraftKindConfig):
+    """EAGLE-3: taps of three target layers -> fc -> one decoder layer -> LM head, trained with
+    train-time test (TTT)."""
+
+    vllm_method: ClassVar[str | None] = "eagle3"
+
+    tap_layers: list[Annotated[int, Field(ge=0)]] | None = None
+    """Target layers whose outputs feed the drafter. null = low/middle/high: (1, L/2-1, L-4)
+    for L >= 8 layers, else three spread evenly over 0..L-1."""
+    ttt_steps: PosInt = 3
+    """Unrolled train-time-test passes k (>= 1)."""
+    num_layers: PosInt = 1
+    """Decoder layers of the drafter."""
+    draft_vocab_size: PosInt | None = None
+    """Size of the drafter's own vocabulary (mapped with d2t). null = the target's."""
+
+    def default_tap_layers(self, num_hidden_layers: int) -> list[int]:
+        n = num_hidden_layers
+        if n >= 8:
+            return [1, n // 2 - 1, n - 4]
+        return spread_layers(3, 0, n - 1)
+
+
+class DFlashConfig(DraftKindConfig):
+    """DFlash block drafter: a few decoder layers over projected target taps, one block of
+    anchor + mask tokens, bidirectional inside the block."""
+
+    vllm_method: ClassVar[str | None] = "dflash"
+
+    tap_layers: list[Annotated[int, Field(ge=0)]] | None = None
+    """Target layers whose outputs feed the drafter. null = num_layers layers spread from 1 to
+    L-3 (the middle one when num_layers = 1); over 0..L-1 for L < 6."""
+    num_layers: PosInt = 1
+    """Decoder layers of the drafter."""
+    block_size: Annotated[int, Field(ge=2)] = 16
+    """Block length B = anchor + B-1 predicted tokens (>= 2)."""
+    anchors_per_seq: PosInt = 4
+    """Anchors (blocks) sampled per training sequence."""
+    loss_gamma: PosFloat | None = 7.0
+    """Position decay of the loss: weight of block position k is exp(-(k-1)/gamma). null =
+    uniform weights."""
+
+    def default_tap_layers(self, num_hidden_layers: int) -> list[int]:
+        n, k = num_hidden_layers, self.num_layers
+        if n >= 6:
+            return [n // 2] if k == 1 else spread_layers(k, 1, n - 3)
+        return spread_layers(max(k, 2), 0, n - 1)
+
+    def default_num_speculative_tokens(self) -> int:
+        return self.block_size - 1
+
+    def max_speculative_tokens(self) -> int | None:
+        return self.block_size - 1
+
+
+class DSparkConfig(DFlashConfig):
+    """DSpark: the DFlash backbone plus a low-rank Markov head on the logits and an optional
+    confidence head. vLLM serves it on GPU only."""
+
+    vllm_method: ClassVar[str | None] = "dspark"
+    default_loss: ClassVar[str] = "dspark_l1"
+    allowed_losses: ClassVar[tuple[str, ...]] = _COMMON_LOSSES + ("dspark_l1",)
+    serves_on_cpu: ClassVar[bool] = False
+
+    block_size: Annotated[int, Field(ge=2)] = 7
+    """Block length B = anchor + B-1 noise tokens (>= 2)."""
+    markov_rank: PosInt = 16
+    """Rank r of the Markov head (logits += W2 W1[previous token])."""
+    markov_head: Literal["vanilla", "gated"] = "vanilla"
+    """Markov head variant."""
+    confidence_head: bool = False
+    """Train a head predicting per-position acceptance."""
+
+
+# ----------------------------------------------------------------------------- draft kind registry
+_DRAFT_KINDS: dict[str, type[DraftKindConfig]] = {}
+_RESERVED_DRAFT_KEYS = frozenset({"kind", "cotrain", "loss", "loss_weight", "optimizer", "settings"})
+
+
+def register_draft_kind(name: str, config_cls: type[DraftKindConfig], *, replace: bool = False) -> None:
+    """Register a drafter kind: ``draft.kind: <name>`` selects it and ``draft.<name>`` holds its
+    settings, validated by ``config_cls`` (a :class:`DraftKindConfig` subclass).
+
+    Re-registering the same name needs ``replace=True`` (e.g. to extend a built-in kind with a
+    subclass that adds fields).
+    """
+    if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+        raise ValueError(f"drafter kind name {name!r} must match [a-z][a-z0-9_]*")
+    if name in _RESERVED_DRAFT_KEYS:
+        raise ValueError(f"drafter kind name {name!r} clashes with a draft.* key")
+    if not (isinstance(config_cls, type) and issubclass(config_cls, DraftKindConfig)):
+        raise TypeError(f"{config_cls!r} is not a DraftKindConfig subclass")
+    if name in _DRAFT_KINDS and _DRAFT_KINDS[name] is not config_cls and not replace:
+        raise ValueError(f"drafter kind {name!r} is already registered "
+                         f"({_DRAFT_KINDS[name].__name__}); pass replace=True")
+    _DRAFT_KINDS[name] = config_cls
+
+
+def get_draft_kind(name: str) -> type[DraftKindConfig]:
+    """The config class of a registered drafter kind (KeyError lists the registered kinds)."""
+    try:
+        return _DRAFT_KINDS[name]
+    except KeyError:
+        raise KeyError(f"unknown drafter kind {name!r} (registered: {', '.join(draft_kinds())})") from None
+
+
+def draft_kinds() -> tuple[str, ...]:
+    """Names of the registered drafter kinds, in registration order."""
+    return tuple(_DRAFT_KINDS)
+
+
+def speculative_methods() -> tuple[str, ...]:
+    """Values rollout.speculative.method may take (besides null)."""
+    methods = ["ngram", "draft_model"]
+    for cls in _DRAFT_KINDS.values():
+        if cls.vllm_method and cls.vllm_method not in methods:
+            methods.append(cls.vllm_method)
+    return tuple(methods)
+
+
+register_draft_kind("eagle3", Eagle3Config)
+register_draft_kind("dflash", DFlashConfig)
+register_draft_kind("dspark", DSparkConfig)
+
+
+# ------------------------------------------------------------------------------------------- draft
+class DraftConfig(StrictModel):
+    """The drafter co-trained with the policy. Besides the keys below, ``draft.<kind>`` holds the
+    settings of each registered kind (eagle3, dflash, dspark, ...); only the active kind's
+    section is used and cross-checked. Access them as ``cfg.draft.settings`` (the active kind)
+    or ``cfg.draft.eagle3``."""
+
+    kind: str | None = None
+    """Drafter kind: null (no drafter) or a registered kind (eagle3, dflash, dspark)."""
+    cotrain: bool = True
+    """Train the drafter online on the policy's rollouts (ignored when kind is null). false =
+    serve fixed drafter weights (rollout.speculative.draft_model)."""
+    loss: Literal["soft_ce", "forward_kl", "hard_ce", "dspark_l1", "e2e_tv"] | None = None
+    """Drafter loss: soft_ce / forward_kl against the detached policy distribution, hard_ce on
+    the sampled tokens, dspark_l1 (DSpark only: CE + L1 of probabilities), e2e_tv (prefix
+    acceptance surrogate). null = the kind's default (dspark_l1 for dspark, else soft_ce)."""
+    loss_weight: NonNegFloat = 1.0
+    """Multiplier of the drafter loss."""
+    optimizer: OptimizerConfig = Field(default_factory=lambda: OptimizerConfig(lr=1e-4))
+    """Drafter optimizer (its own, with its own clipping)."""
+
+    _kinds: dict[str, DraftKindConfig] = PrivateAttr(default_factory=dict)
+
+    @field_validator("kind")
+    @classmethod
+    def _kind_registered(cls, v: str | None) -> str | None:
+        if v is not None and v not in _DRAFT_KINDS:
+            allowed = ", ".join(["null", *draft_kinds()])
+            raise ValueError(f"{v!r} is not a registered drafter kind (allowed: {allowed})")
+        return v
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _split_kind_sections(cls, data: Any, handler: Any) -> DraftConfig:
+        if isinstance(data, DraftConfig):
+            return data
+        if not isinstance(data, dict):
+            return handler(data)
+        rest = dict(data)
+        kinds: dict[str, DraftKindConfig] = {}
+        line_errors: list[dict[str, Any]] = []
+        for name, kcls in _DRAFT_KINDS.items():
+            section = rest.pop(name, None)
+            try:
+                if isinstance(section, kcls):
+                    kinds[name] = section
+                else:
+                    kinds[name] = kcls.model_validate({} if section is None else section)
+            except ValidationError as e:
+                line_errors += [_prefixed(err, name) for err in e.errors()]
+        try:
+            obj = handler(rest)
+        except ValidationError as e:
+            line_errors = [dict(err) for err in e.errors()] + line_errors
+            obj = None
+        if line_errors:
+            raise ValidationError.from_exception_data(cls.__name__, line_errors)
+        obj._kinds = kinds
+        return obj
+
+    @model_serializer(mode="wrap")
+    def _dump_with_kinds(self, handler: Any, info: Any) -> dict[str, Any]:
+        out = handler(self)
+        for name, section in self._kinds.items():
+            out[name] = section.model_dump(mode=info.mode)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("_"):
+            private = object.__getattribute__(self, "__pydantic_private__") or {}
+            kinds = private.get("_kinds") or {}
+            if name in kinds:
+                return kinds[name]
+        return super().__getattr__(name)  # type: ignore[misc]
+
+    @property
+    def settings(self) -> DraftKindConfig | None:
+        """Settings of the active kind (None when kind is null)."""
+        return self._kinds.get(self.kind) if self.kind else None
+
+    def kind_settings(self, name: str) -> DraftKindConfig:
+        """Settings of any registered kind."""
+        return self._kinds[name]
+
+
+def _prefixed(err: Any, prefix: str) -> dict[str, Any]:
+    out = {"type": err["type"], "loc": (prefix, *err["loc"]), "input": err["input"]}
+    if err.get("ctx"):
+        out["ctx"] = err["ctx"]
+    return out
+
+
+# -------------------------------------------------------------------------------------------- grpo
+class GrpoConfig(StrictModel):
+    """The GRPO algorithm."""
+
+    num_steps: PosInt = 20
+    """GRPO steps (rollout + update) to run (>= 1)."""
+    prompts_per_step: PosInt = 8
+    """Prompts sampled per step."""
+    group_size: PosInt = 4
+    """Samples per prompt (>= 2: advantages are relative within a group)."""
+    clip_eps_low: NonNegFloat = 0.2
+    """Lower clip range of the importance ratio (1 - eps_low)."""
+    clip_eps_high: NonNegFloat = 0.2
+    """Upper clip range of the importance ratio (1 + eps_high)."""
+    kl_coef: NonNegFloat = 0.0
+    """Weight of the KL penalty to the reference policy (> 0 needs policy.reference_model)."""
+    baseline: Literal["mean", "leave_one_out"] = "mean"
+    """Group baseline: the group mean, or the mean of the other samples."""
+    normalize_std: bool = True
+    """Divide advantages by the group's reward standard deviation."""
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    """Loss aggregation: mean over all tokens, or mean over sequences of per-sequence means."""
+    global_batch_size: PosInt | None = None
+    """Sequences per optimizer step. null = prompts_per_step * group_size (one update per
+    step); otherwise it must divide that and be a multiple of policy.parallel.data *
+    policy.micro_batch_size."""
+    epochs: PosInt = 1
+    """Passes over each step's rollouts."""
+
+
+# -------------------------------------------------------------------------------------------- data
+class ArithmeticConfig(StrictModel):
+    """The built-in arithmetic task (final answer checked exactly)."""
+
+    digits: Annotated[int, Field(ge=1, le=9)] = 2
+    """Digits per operand."""
+    ops: Annotated[list[Literal["+", "-", "*"]], Field(min_length=1)] = ["+", "-"]
+    """Operators to draw from."""
+    num_prompts: PosInt = 1000
+    """Size of the generated training prompt set."""
+    seed: int = 0
+    """Seed of the prompt generator."""
+
+
+class JsonlConfig(StrictModel):
+    """Prompts from a JSON-lines file (one object per line)."""
+
+    path: str | None = None
+    """The file (required when data.task is jsonl; must exist)."""
+    prompt_key: str = "prompt"
+    """Key of the prompt text."""
+    answer_key: str = "answer"
+    """Key of the reference answer."""
+
+
+class EvalConfig(StrictModel):
+    """Periodic evaluation on held-out prompts."""
+
+    every: NonNegInt = 0
+    """Evaluate every this many steps (0 = off)."""
+    num_prompts: PosInt = 64
+    """Prompts per evaluation."""
+    path: str | None = None
+    """JSONL file of evaluation prompts. null = held-out prompts of the task."""
+    temperature: NonNegFloat = 0.0
+    """Sampling temperature of evaluation (0 = greedy)."""
+
+
+class DataConfig(StrictModel):
+    """Training prompts."""
+
+    task: Literal["arithmetic", "jsonl"] = "arithmetic"
+    """Prompt source: the built-in arithmetic task, or a JSONL file."""
+    arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
+    """Settings of task 'arithmetic'."""
+    jsonl: JsonlConfig = Field(default_factory=JsonlConfig)
+    """Settings of task 'jsonl'."""
+    shuffle: bool = True
+    """Shuffle the prompts each epoch (seeded by run.seed)."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Evaluation."""
+
+
+class RewardConfig(StrictModel):
+    """Reward function."""
+
+    kind: Literal["exact_match"] = "exact_match"
+    """exact_match: the final answer equals the reference."""
+    correct: float = 1.0
+    """Reward of a correct answer."""
+    incorrect: float = 0.0
+    """Reward of a wrong answer."""
+    format_error: float = 0.0
+    """Reward when no answer can be parsed."""
+
+
+# ----------------------------------------------------------------------------------------- logging
+class WandbConfig(StrictModel):
+    """Weights & Biases."""
+
+    enabled: bool = False
+    """Log to W&B."""
+    project: str = "cotrain"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (null = the default)."""
+    mode: Literal["online", "offline"] = "online"
+    """W&B mode."""
+
+
+class MlflowConfig(StrictModel):
+    """MLflow."""
+
+    enabled: bool = False
+    """Log to MLflow."""
+    tracking_uri: str | None = None
+    """Tracking URI. null = <output_dir>/mlruns."""
+    experiment: str = "cotrain"
+    """Experiment name."""
+
+
+class LoggingConfig(StrictModel):
+    """Metrics and progress output."""
+
+    tensorboard: bool = True
+    """Write TensorBoard events."""
+    tensorboard_dir: str | None = None
+    """Where. null = <output_dir>/tensorboard."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Weights & Biases."""
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+    """MLflow."""
+    log_every: PosInt = 1
+    """Log metrics every this many steps."""
+    progress_bar: bool = True
+    """Show a progress bar."""
+
+
+# -------------------------------------------------------------------------------------- checkpoint
+class CheckpointConfig(StrictModel):
+    """Checkpoints (policy, drafter, optimizers, step, RNG, data position)."""
+
+    dir: str | None = None
+    """Checkpoint directory. null = <output_dir>/checkpoints."""
+    every: PosInt = 10
+    """Write a checkpoint every this many steps (>= 1; the last step is always saved)."""
+    keep_last: PosInt | None = 2
+    """Keep only the newest this many checkpoints (null = keep all)."""
+    resume: bool | str = False
+    """true = continue from the newest checkpoint in dir (start fresh if there is none); a path
+    = continue from that checkpoint; false = start fresh. `launch/grpo.py --resume` sets true."""
+
+
+# -------------------------------------------------------------------------------------------- root
+class CotrainConfig(StrictModel):
+    """The whole configuration of a cotrain run."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    """Run identity and output directory."""
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """Ray cluster and resources."""
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    """Policy model, parallelism, optimizer."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Rollout engines, sampling, speculative decoding."""
+    draft: DraftConfig = Field(default_factory=DraftConfig)
+    """Co-trained drafter."""
+    grpo: GrpoConfig = Field(default_factory=GrpoConfig)
+    """GRPO algorithm."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Prompts."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """Reward."""
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    """Metrics output."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+
+    _arch: Any = PrivateAttr(default=None)
+    _sources: list[str] = PrivateAttr(default_factory=list)
+
+    # derived values ---------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """Training ranks: TP * PP * CP * DP."""
+        p = self.policy.parallel
+        return p.tensor * p.pipeline * p.context * p.data
+
+    @property
+    def rollout_batch_size(self) -> int:
+        """Sequences generated per step: prompts_per_step * group_size."""
+        return self.grpo.prompts_per_step * self.grpo.group_size
+
+    @property
+    def micro_batches_per_update(self) -> int | None:
+        """Micro batches per data-parallel rank per optimizer step (gradient accumulation)."""
+        gbs = self.grpo.global_batch_size or self.rollout_batch_size
+        denom = self.policy.parallel.data * self.policy.micro_batch_size
+        return gbs // denom if gbs % denom == 0 else None
+
+    @property
+    def model_arch(self) -> Any:
+        """The policy's architecture numbers (a :class:`cotrain.config.validate.ModelArch`), set
+        by validation; None before."""
+        return self._arch
+
+    @property
+    def sources(self) -> list[str]:
+        """Files (in merge order) and overrides this config was loaded from."""
+        return list(self._sources)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of all values (JSON/YAML-safe)."""
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        """YAML of all values; loading it back gives the same config."""
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+
+
+# ------------------------------------------------------------------------------ schema navigation
+def _unwrap(annotation: Any) -> Any:
+    """Strip Annotated / Optional; return the inner type."""
+    while True:
+        origin = typing.get_origin(annotation)
+        if origin is Annotated:
+            annotation = typing.get_args(annotation)[0]
+            continue
+        if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+            args = [a for a in typing.get_args(annotation) if a is not type(None)]
+            if len(args) == 1:
+                annotation = args[0]
+                continue
+        return annotation
+
+
+def section_class(annotation: Any) -> type[BaseModel] | None:
+    """The config model class a field holds, if it is a section."""
+    inner = _unwrap(annotation)
+    if isinstance(inner, type) and issubclass(inner, BaseModel):
+        return inner
+    return None
+
+
+def section_keys(cls: type[BaseModel]) -> dict[str, type[BaseModel] | None]:
+    """Keys valid in a section: field name -> sub-section class (None for a leaf value)."""
+    keys: dict[str, type[BaseModel] | None] = {
+        name: section_class(f.annotation) for name, f in cls.model_fields.items()
+    }
+    if issubclass(cls, DraftConfig):
+        keys.update(_DRAFT_KINDS)
+    return keys

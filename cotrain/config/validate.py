@@ -1,0 +1,432 @@
+"""Cross-field validation: resolve the null defaults, then check what single fields cannot.
+
+Every check returns ``(key_path, message)`` issues whose message states the allowed values;
+all issues are collected and raised together as one :class:`ConfigError`. The checks run before
+any worker starts, reading only the model's ``config.json`` (or the built-in tiny model's
+constants) and the file system.
+
+Resources (see docs/config.md): a training rank takes 1 GPU (cuda) and
+``policy.cpus_per_worker`` CPUs; an engine takes ``rollout.gpus_per_engine`` GPUs (cuda) and
+``rollout.cpus_per_engine`` CPUs. Training and rollout must fit the cluster together
+(``num_nodes * per_node``), or each on its own when ``rollout.colocate`` is true.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import ValidationError
+
+from .errors import ConfigError, from_validation_error
+from .schema import CotrainConfig, DraftKindConfig, get_draft_kind
+
+__all__ = ["ModelArch", "load_model_arch", "check_config", "config_from_dict", "CHECKS"]
+
+Issue = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """The architecture numbers validation needs, from a HF ``config.json``."""
+
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    hidden_size: int
+    max_position_embeddings: int | None = None
+    vocab_size: int | None = None
+    model_type: str | None = None
+    source: str = ""
+
+
+_BUILTIN_PREFIX = "builtin:"
+
+
+def _builtin_config(name: str) -> dict[str, Any]:
+    from cotrain.models.tiny import BUILTIN_MODEL_PATH, TINY_QWEN3_CONFIG
+
+    if f"{_BUILTIN_PREFIX}{name}" != BUILTIN_MODEL_PATH:
+        raise ConfigError([("policy.model_path", f"unknown built-in model {_BUILTIN_PREFIX}{name!s} "
+                            f"(allowed: {BUILTIN_MODEL_PATH}, or a HF checkpoint directory)")])
+    return dict(TINY_QWEN3_CONFIG)
+
+
+def load_model_arch(model_path: str, key: str = "policy.model_path") -> ModelArch:
+    """Read the architecture of ``builtin:tiny`` or of a HF checkpoint directory."""
+    if model_path.startswith(_BUILTIN_PREFIX):
+        raw = _builtin_config(model_path[len(_BUILTIN_PREFIX):])
+        source = model_path
+    else:
+        p = Path(model_path)
+        if not p.exists():
+            raise ConfigError([(key, f"{model_path!r} does not exist (allowed: builtin:tiny, or a "
+                                "HF checkpoint directory with config.json)")])
+        cfg_file = p / "config.json" if p.is_dir() else p
+        if not cfg_file.is_file() or cfg_file.name != "config.json":
+            raise ConfigError([(key, f"{model_path!r} has no config.json (allowed: builtin:tiny, or a "
+                                "HF checkpoint directory with config.json)")])
+        try:
+            raw = json.loads(cfg_file.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError([(key, f"cannot read {cfg_file}: {e}")]) from None
+        raw = raw.get("text_config", raw) if "num_hidden_layers" not in raw else raw
+        source = str(cfg_file)
+    missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size") if not isinstance(raw.get(k), int)]
+    if missing:
+        raise ConfigError([(key, f"{source} lacks integer {', '.join(missing)}")])
+    return ModelArch(
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=raw["num_attention_heads"],
+        num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+        hidden_size=raw["hidden_size"],
+        max_position_embeddings=raw.get("max_position_embeddings"),
+        vocab_size=raw.get("vocab_size"),
+        model_type=raw.get("model_type"),
+        source=source,
+    )
+
+
+# ------------------------------------------------------------------------------------ helpers
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _fmt(values: list[int], limit: int = 12) -> str:
+    shown = ", ".join(map(str, values[:limit]))
+    return shown + (", ..." if len(values) > limit else "")
+
+
+def _kind(cfg: CotrainConfig) -> DraftKindConfig | None:
+    return cfg.draft.settings
+
+
+# ------------------------------------------------------------------------------------ resolve
+def resolve(cfg: CotrainConfig, arch: ModelArch | None) -> None:
+    """Replace the documented null / auto values by concrete ones (in place)."""
+    c, r = cfg.cluster, cfg.rollout
+    if c.device == "auto":
+        c.device = "cuda" if c.gpus_per_node > 0 else "cpu"
+    if c.cpus_per_node is None:
+        c.cpus_per_node = os.cpu_count() or 1
+    cuda = c.device == "cuda"
+    if cfg.run.output_dir is None:
+        cfg.run.output_dir = f"runs/{cfg.run.name}"
+    out = cfg.run.output_dir.rstrip("/") or "."
+    if cfg.checkpoint.dir is None:
+        cfg.checkpoint.dir = f"{out}/checkpoints"
+    if cfg.logging.tensorboard_dir is None:
+        cfg.logging.tensorboard_dir = f"{out}/tensorboard"
+    if cfg.logging.mlflow.tracking_uri is None:
+        cfg.logging.mlflow.tracking_uri = f"{out}/mlruns"
+    if r.gpus_per_engine is None:
+        r.gpus_per_engine = float(r.tensor_parallel) if cuda else 0.0
+    if r.enforce_eager is None:
+        r.enforce_eager = not cuda
+    if r.gpu_memory_utilization is None and r.kv_cache_memory_bytes is None:
+        if cuda:
+            r.gpu_memory_utilization = 0.4 if r.colocate else 0.85
+        else:
+            r.kv_cache_memory_bytes = 256 * 2**20
+    if r.weight_transport == "auto":
+        r.weight_transport = ("cuda_ipc" if r.colocate else "nccl") if cuda else "shm"
+    kind = _kind(cfg)
+    if kind is not None:
+        if cfg.draft.loss is None:
+            cfg.draft.loss = type(kind).default_loss
+        if arch is not None:
+            kind.resolve(arch.num_hidden_layers)
+    spec = r.speculative
+    if spec.method is not None and spec.num_speculative_tokens is None:
+        served = kind if kind is not None and type(kind).vllm_method == spec.method else None
+        spec.num_speculative_tokens = served.default_num_speculative_tokens() if served else 3
+    if cfg.grpo.global_batch_size is None:
+        cfg.grpo.global_batch_size = cfg.rollout_batch_size
+
+
+# ------------------------------------------------------------------------------------- checks
+def check_model(cfg: CotrainConfig, arch: ModelArch) -> list[Issue]:
+    """Parallel degrees and lengths against the model."""
+    issues: list[Issue] = []
+    p, L = cfg.policy.parallel, arch.num_hidden_layers
+    if L % p.pipeline:
+        issues.append(("policy.parallel.pipeline", f"{p.pipeline} does not divide num_hidden_layers={L} "
+                       f"(allowed: {_fmt(_divisors(L))})"))
+    heads, kv = arch.num_attention_heads, arch.num_key_value_heads
+    if heads % p.tensor or kv % p.tensor:
+        allowed = [d for d in _divisors(heads) if kv % d == 0]
+        issues.append(("policy.parallel.tensor", f"{p.tensor} does not divide num_attention_heads={heads} "
+                       f"and num_key_value_heads={kv} (allowed: {_fmt(allowed)})"))
+    tp = cfg.rollout.tensor_parallel
+    if heads % tp:
+        issues.append(("rollout.tensor_parallel", f"{tp} does not divide num_attention_heads={heads} "
+                       f"(allowed: {_fmt(_divisors(heads))})"))
+    S = cfg.policy.max_seq_len
+    if arch.max_position_embeddings and S > arch.max_position_embeddings:
+        issues.append(("policy.max_seq_len", f"{S} exceeds the model's max_position_embeddings="
+                       f"{arch.max_position_embeddings} (allowed: 2..{arch.max_position_embeddings})"))
+    return issues
+
+
+def check_lengths(cfg: CotrainConfig) -> list[Issue]:
+    """Context parallel and sequence lengths."""
+    issues: list[Issue] = []
+    cp, S = cfg.policy.parallel.context, cfg.policy.max_seq_len
+    if cp > 1 and S % (2 * cp):
+        allowed = [c for c in range(1, S // 2 + 1) if S % (2 * c) == 0 or c == 1]
+        issues.append(("policy.parallel.context", f"{cp} needs policy.max_seq_len={S} divisible by "
+                       f"2*context={2 * cp} for the zigzag layout (allowed: {_fmt(allowed, 8)})"))
+    mt = cfg.rollout.sampling.max_tokens
+    if mt >= S:
+        issues.append(("rollout.sampling.max_tokens", f"{mt} leaves no room for the prompt in "
+                       f"policy.max_seq_len={S} (allowed: 1..{S - 1})"))
+    return issues
+
+
+def check_resources(cfg: CotrainConfig) -> list[Issue]:
+    """World size and rollout engines against the cluster."""
+    issues: list[Issue] = []
+    c, r, pol = cfg.cluster, cfg.rollout, cfg.policy
+    cuda = c.device == "cuda"
+    if cuda and c.gpus_per_node == 0:
+        issues.append(("cluster.device", "cuda needs cluster.gpus_per_node >= 1 (allowed: cpu, auto; or "
+                       "set cluster.gpus_per_node)"))
+        return issues
+    W, E = cfg.world_size, r.num_engines
+    p = pol.parallel
+    ws = f"TP*PP*CP*DP = {p.tensor}*{p.pipeline}*{p.context}*{p.data} = {W}"
+    mode = "colocated: each must fit" if r.colocate else "not colocated: the sum must fit"
+
+    def fit(unit: str, per_node: int, train_each: float, engine_each: float) -> None:
+        total = c.num_nodes * per_node
+        avail = f"cluster.num_nodes={c.num_nodes} x cluster.{unit}s_per_node={per_node} = {total} {unit.upper()}s"
+        train, roll = W * train_each, E * engine_each
+        if roll > total:
+            issues.append(("rollout.num_engines", f"{E} engines x {engine_each:g} {unit.upper()}s = {roll:g} "
+                           f"exceed {avail} (allowed: at most {int(total // engine_each) if engine_each else E} engines)"))
+        if train > total:
+            issues.append(("policy.parallel", f"world size {ws} training ranks x {train_each:g} "
+                           f"{unit.upper()}s = {train:g} exceed {avail} (allowed: world size <= "
+                           f"{int(total // train_each)})"))
+        if not r.colocate and roll <= total and train <= total and train + roll > total:
+            issues.append(("policy.parallel", f"world size {ws} ranks ({train:g} {unit.upper()}s) + "
+                           f"rollout.num_engines={E} engines ({roll:g} {unit.upper()}s) = {train + roll:g} "
+                           f"exceed {avail} ({mode}; allowed: training + rollout <= {total}, or "
+                           "rollout.colocate=true)"))
+
+    fit("cpu", c.cpus_per_node or 1, pol.cpus_per_worker, r.cpus_per_engine)
+    if cuda:
+        gpe = r.gpus_per_engine if r.gpus_per_engine is not None else r.tensor_parallel
+        fit("gpu", c.gpus_per_node, 1, gpe)
+        if r.tensor_parallel > c.gpus_per_node:
+            issues.append(("rollout.tensor_parallel", f"{r.tensor_parallel} exceeds cluster.gpus_per_node="
+                           f"{c.gpus_per_node}: an engine's GPUs are on one node (allowed: 1..{c.gpus_per_node})"))
+        if gpe < r.tensor_parallel and not r.colocate:
+            issues.append(("rollout.gpus_per_engine", f"{gpe:g} is less than rollout.tensor_parallel="
+                           f"{r.tensor_parallel} (allowed: >= {r.tensor_parallel}, or rollout.colocate=true)"))
+    return issues
+
+
+def check_batches(cfg: CotrainConfig) -> list[Issue]:
+    """Group size, rollout batch, global batch and micro batches."""
+    issues: list[Issue] = []
+    g, pol = cfg.grpo, cfg.policy
+    if g.group_size < 2:
+        issues.append(("grpo.group_size", f"{g.group_size}: GRPO needs at least 2 samples per prompt to "
+                       "compare them (allowed: >= 2)"))
+    unit = pol.parallel.data * pol.micro_batch_size
+    B = cfg.rollout_batch_size
+    desc = (f"policy.parallel.data*policy.micro_batch_size = {pol.parallel.data}*{pol.micro_batch_size} = {unit}")
+    if B % unit:
+        ok = [n for n in range(1, 4 * g.prompts_per_step + unit + 1) if (n * g.group_size) % unit == 0][:6]
+        issues.append(("grpo.prompts_per_step", f"prompts_per_step*group_size = {g.prompts_per_step}*"
+                       f"{g.group_size} = {B} is not divisible by {desc} (allowed prompts_per_step: "
+                       f"{_fmt(ok, 6)}, ...; or change the micro batch / data parallel size)"))
+    gbs = g.global_batch_size if g.global_batch_size is not None else B
+    if B % gbs:
+        issues.append(("grpo.global_batch_size", f"{gbs} does not divide prompts_per_step*group_size={B} "
+                       f"(allowed: {_fmt([d for d in _divisors(B) if d % unit == 0] or _divisors(B))})"))
+    elif gbs % unit:
+        allowed = [d for d in _divisors(B) if d % unit == 0]
+        issues.append(("grpo.global_batch_size", f"{gbs} is not a multiple of {desc} "
+                       f"(allowed: {_fmt(allowed) if allowed else 'none for this batch'})"))
+    if g.kl_coef > 0 and not pol.reference_model:
+        issues.append(("grpo.kl_coef", f"{g.kl_coef:g} > 0 needs policy.reference_model=true (allowed: 0, "
+                       "or enable policy.reference_model)"))
+    return issues
+
+
+def check_rollout(cfg: CotrainConfig) -> list[Issue]:
+    """Engine memory, weight transport, speculative decoding."""
+    issues: list[Issue] = []
+    c, r = cfg.cluster, cfg.rollout
+    cuda = c.device == "cuda"
+    if r.gpu_memory_utilization is not None and r.kv_cache_memory_bytes is not None:
+        issues.append(("rollout.kv_cache_memory_bytes", "is exclusive with rollout.gpu_memory_utilization "
+                       "(allowed: set one of them, the other null)"))
+    wt = r.weight_transport
+    if wt in ("cuda_ipc", "nccl") and not cuda:
+        issues.append(("rollout.weight_transport", f"{wt} needs cluster.device=cuda (allowed on cpu: shm, auto)"))
+    elif wt == "cuda_ipc" and not r.colocate:
+        issues.append(("rollout.weight_transport", "cuda_ipc needs rollout.colocate=true (allowed: nccl, auto)"))
+    if wt == "shm" and c.num_nodes > 1:
+        issues.append(("rollout.weight_transport", f"shm works within one node, cluster.num_nodes="
+                       f"{c.num_nodes} (allowed: nccl on cuda, auto)"))
+    issues += check_speculative(cfg)
+    return issues
+
+
+def check_speculative(cfg: CotrainConfig) -> list[Issue]:
+    issues: list[Issue] = []
+    spec, d = cfg.rollout.speculative, cfg.draft
+    m = spec.method
+    if spec.ngram.prompt_lookup_min > spec.ngram.prompt_lookup_max:
+        issues.append(("rollout.speculative.ngram.prompt_lookup_min", f"{spec.ngram.prompt_lookup_min} > "
+                       f"prompt_lookup_max={spec.ngram.prompt_lookup_max} (allowed: <= prompt_lookup_max)"))
+    if spec.draft_model is not None and not Path(spec.draft_model).exists():
+        issues.append(("rollout.speculative.draft_model", f"{spec.draft_model!r} does not exist (allowed: a "
+                       "directory of drafter weights, or null)"))
+    if m is None:
+        return issues
+    if m == "draft_model" and spec.draft_model is None:
+        issues.append(("rollout.speculative.draft_model", "is required by method draft_model (allowed: a "
+                       "HF checkpoint directory of the draft model)"))
+    served_kinds = [k for k in _registered_kinds() if get_draft_kind(k).vllm_method == m]
+    if served_kinds:
+        kcls = get_draft_kind(served_kinds[0])
+        if d.kind not in served_kinds and spec.draft_model is None:
+            issues.append(("rollout.speculative.method", f"{m} needs a drafter: draft.kind={served_kinds[0]} "
+                           f"(got {d.kind or 'null'}) or rollout.speculative.draft_model (allowed with "
+                           f"draft.kind={d.kind or 'null'}: null, ngram, draft_model"
+                           + (f", {get_draft_kind(d.kind).vllm_method}" if d.kind else "") + ")"))
+        if not kcls.serves_on_cpu and cfg.cluster.device == "cpu":
+            cpu_ok = ["null", "ngram", "draft_model"] + [
+                get_draft_kind(k).vllm_method for k in _registered_kinds()
+                if get_draft_kind(k).serves_on_cpu and get_draft_kind(k).vllm_method]
+            issues.append(("rollout.speculative.method", f"{m} serving on CPU is not supported by vLLM (its "
+                           f"{m} runner is GPU-only; allowed on cpu: {', '.join(cpu_ok)}). To co-train a "
+                           f"{m} drafter on CPU set rollout.speculative.method=null and keep "
+                           f"draft.kind={served_kinds[0]} draft.cotrain=true: it is trained online and its "
+                           "acceptance measured offline"))
+        kind = d.settings
+        if kind is not None and d.kind in served_kinds and spec.num_speculative_tokens is not None:
+            most = kind.max_speculative_tokens()
+            if most is not None and spec.num_speculative_tokens > most:
+                issues.append(("rollout.speculative.num_speculative_tokens", f"{spec.num_speculative_tokens} "
+                               f"exceeds what the {d.kind} drafter predicts per block (block_size-1 = {most}; "
+                               f"allowed: 1..{most})"))
+    return issues
+
+
+def _registered_kinds() -> tuple[str, ...]:
+    from .schema import draft_kinds
+
+    return draft_kinds()
+
+
+def check_draft(cfg: CotrainConfig, arch: ModelArch | None) -> list[Issue]:
+    """The active drafter kind: its loss, its settings against the target, its weights."""
+    issues: list[Issue] = []
+    d = cfg.draft
+    kind = d.settings
+    if kind is None:
+        return issues
+    kcls = type(kind)
+    if d.loss is not None and d.loss not in kcls.allowed_losses:
+        issues.append(("draft.loss", f"{d.loss} is not available for draft.kind={d.kind} (allowed: "
+                       f"{', '.join(kcls.allowed_losses)})"))
+    if arch is not None:
+        issues += [(f"draft.{d.kind}.{path}", msg) for path, msg in kind.check(arch.num_hidden_layers)]
+    spec = cfg.rollout.speculative
+    if not d.cotrain and spec.draft_model is None:
+        issues.append(("draft.cotrain", f"false with draft.kind={d.kind} and no drafter weights: the drafter "
+                       "would stay random (allowed: true, or set rollout.speculative.draft_model)"))
+    return issues
+
+
+def check_data(cfg: CotrainConfig) -> list[Issue]:
+    """Prompt sources and the reward."""
+    issues: list[Issue] = []
+    data, P = cfg.data, cfg.grpo.prompts_per_step
+    if data.task == "jsonl":
+        path = data.jsonl.path
+        if path is None:
+            issues.append(("data.jsonl.path", "is required when data.task=jsonl (allowed: an existing "
+                           "JSONL file)"))
+        elif not Path(path).is_file():
+            issues.append(("data.jsonl.path", f"{path!r} does not exist (allowed: an existing JSONL file)"))
+        else:
+            n = _count_lines(Path(path))
+            if n < P:
+                issues.append(("data.jsonl.path", f"{path!r} has {n} prompts, fewer than "
+                               f"grpo.prompts_per_step={P} (allowed: a file with >= {P} lines)"))
+    elif data.arithmetic.num_prompts < P:
+        issues.append(("data.arithmetic.num_prompts", f"{data.arithmetic.num_prompts} is fewer than "
+                       f"grpo.prompts_per_step={P} (allowed: >= {P})"))
+    if data.eval.path is not None and not Path(data.eval.path).is_file():
+        issues.append(("data.eval.path", f"{data.eval.path!r} does not exist (allowed: an existing JSONL file, "
+                       "or null = held-out prompts of the task)"))
+    rw = cfg.reward
+    if rw.correct <= rw.incorrect:
+        issues.append(("reward.correct", f"{rw.correct:g} must exceed reward.incorrect={rw.incorrect:g} "
+                       f"(allowed: > {rw.incorrect:g})"))
+    return issues
+
+
+def _count_lines(path: Path) -> int:
+    with path.open("rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def check_checkpoint(cfg: CotrainConfig) -> list[Issue]:
+    issues: list[Issue] = []
+    res = cfg.checkpoint.resume
+    if isinstance(res, str) and not Path(res).exists():
+        issues.append(("checkpoint.resume", f"{res!r} does not exist (allowed: true, false, or an existing "
+                       "checkpoint directory)"))
+    return issues
+
+
+#: the cross-field checks, in order; each takes (cfg, arch) and returns issues
+CHECKS: list[Callable[[CotrainConfig, ModelArch | None], list[Issue]]] = [
+    lambda cfg, arch: check_model(cfg, arch) if arch is not None else [],
+    lambda cfg, arch: check_lengths(cfg),
+    lambda cfg, arch: check_resources(cfg),
+    lambda cfg, arch: check_batches(cfg),
+    lambda cfg, arch: check_rollout(cfg),
+    check_draft,
+    lambda cfg, arch: check_data(cfg),
+    lambda cfg, arch: check_checkpoint(cfg),
+]
+
+
+def check_config(cfg: CotrainConfig) -> CotrainConfig:
+    """Resolve null defaults and run every cross-field check (in place; returns ``cfg``).
+
+    Raises ConfigError listing all issues."""
+    issues: list[Issue] = []
+    arch: ModelArch | None = None
+    try:
+        arch = load_model_arch(cfg.policy.model_path)
+    except ConfigError as e:
+        issues += e.issues
+    resolve(cfg, arch)
+    for check in CHECKS:
+        issues += check(cfg, arch)
+    if issues:
+        raise ConfigError(issues)
+    cfg._arch = arch
+    return cfg
+
+
+def config_from_dict(data: dict[str, Any], sources: list[str] | None = None) -> CotrainConfig:
+    """Validate a raw mapping (schema, then cross-field checks) into a CotrainConfig."""
+    try:
+        cfg = CotrainConfig.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e, CotrainConfig) from None
+    cfg._sources = list(sources or [])
+    return check_config(cfg)
