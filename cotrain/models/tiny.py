@@ -1,0 +1,35 @@
+"""The tiny built-in policy: a Qwen3-architecture model small enough to train on two CPU cores.
+
+Only the architecture constants live here; ``cotrain.models.build_tiny`` builds, warm-starts and
+caches the checkpoint. Config validation reads these numbers for the ``builtin:tiny`` model path so
+that it can check parallel degrees before anything is built.
+"""
+
+BUILTIN_MODEL_PATH = "builtin:tiny"
+
+TINY_QWEN3_CONFIG = dict(
+    architectures=["Qwen3ForCausalLM"],
+    model_type="qwen3",
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+    attention_bias=False,
+    attention_dropout=0.0,
+    tie_word_embeddings=False,
+    torch_dtype="float32",
+)
+
+# The built-in task the tiny model is warm-started on (and that the demo's GRPO run trains on):
+# addition of two numbers with 1..3 digits each, e.g. "457+86=" -> "543".
+TINY_TASK = dict(max_digits=3, ops=("+",))
+
+# Supervised warm start: short on purpose, so that the model is only partly right and GRPO has
+# headroom. Changing any of this (or the architecture) changes the cache key and triggers a rebuild.
+TINY_SFT = dict(steps=600, batch_size=128, lr=3e-3, warmup=50, weight_decay=0.01, seed=1234, eval_size=512)
