@@ -1,0 +1,104 @@
+"""cp_branch_attention against the dense oracle at CP = 1, 2, 4 (gloo), plus bytes and balance.
+
+One process group per CP degree runs every case (see _cp_cases.worker); the tests below read its
+results. fp32: max abs error <= 1e-5 for out, LSE and every gradient. bf16: |err| <= 2.5e-2 +
+2.5e-2 |ref| (transformer-engine's CP test tolerance, atol = rtol = 2.5e-2).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import _cp_cases
+from _cp_cases import CASES, HEAD_DIM
+from _cp_dist import run_world
+
+CP_SIZES = [1, 2, 4]
+_results: dict[int, list] = {}
+
+
+def results(cp_size: int) -> list:
+    """Per-rank results of the worker for one CP degree (computed once per session)."""
+    if cp_size not in _results:
+        if cp_size == 1:
+            _results[1] = [_cp_cases.worker(0, 1)]  # no process group needed at CP = 1
+        else:
+            _results[cp_size] = run_world(_cp_cases.worker, cp_size)
+    return _results[cp_size]
+
+
+FP32 = [c for c in CASES if c.dtype == "float32"]
+BF16 = [c for c in CASES if c.dtype == "bfloat16"]
+QUANTITIES = ["out", "lse", "bout", "blse", "dq", "dk", "dv", "dbq", "dbk", "dbv"]
+
+
+@pytest.mark.parametrize("cp_size", CP_SIZES)
+@pytest.mark.parametrize("case", FP32, ids=lambda c: c.name)
+def test_fp32_matches_dense(cp_size, case):
+    per_rank = [r["cases"][case.name]["abs"] for r in results(cp_size)]
+    errors = {q: max(r[q] for r in per_rank) for q in QUANTITIES}
+    assert max(errors.values()) <= 1e-5, errors
+
+
+@pytest.mark.parametrize("cp_size", CP_SIZES)
+@pytest.mark.parametrize("case", BF16, ids=lambda c: c.name)
+def test_bf16_matches_dense(cp_size, case):
+    per_rank = [r["cases"][case.name]["excess"] for r in results(cp_size)]
+    excess = {q: max(r[q] for r in per_rank) for q in QUANTITIES}
+    assert max(excess.values()) <= 2.5e-2, excess
+
+
+@pytest.mark.parametrize("cp_size", CP_SIZES)
+def test_padding_never_leaks(cp_size):
+    # Padding rows were given random inputs and random loss weights; they must stay inert.
+    for rank, r in enumerate(results(cp_size)):
+        for name, res in r["cases"].items():
+            assert res["pad_out"] == 0.0, (rank, name)
+            assert res["pad_lse_all_neg_inf"], (rank, name)
+            assert res["pad_grad"] == 0.0, (rank, name)
+
+
+@pytest.mark.parametrize("cp_size", CP_SIZES)
+def test_bytes_closed_form_and_independent_of_branches(cp_size):
+    H_kv, D = 2, HEAD_DIM
+    C = cp_size
+    for dtype, size in (("float32", 4), ("bfloat16", 2)):
+        seen = set()
+        for (num_blocks, block_size, dt), _ in results(cp_size)[0]["bytes"].items():
+            if dt != dtype:
+                continue
+            for rank, r in enumerate(results(cp_size)):
+                stats = r["bytes"][(num_blocks, block_size, dtype)]
+                L = stats.local_len
+                shard = 2 * L * H_kv * D  # one K/V shard, elements
+                assert stats.bytes_sent_forward == (C - 1) * shard * size, (rank, num_blocks, block_size)
+                # K/V travel the ring again, and the fp32 dK/dV make C hops back to their owner.
+                expected_bwd = ((C - 1) * shard * size + C * shard * 4) if C > 1 else 0
+                assert stats.bytes_sent_backward == expected_bwd, (rank, num_blocks, block_size)
+                seen.add((rank, stats.bytes_sent_forward, stats.bytes_sent_backward))
+        # The same numbers with 0, 1, 3 and 6 blocks per sequence and block sizes 1, 4, 16.
+        assert len(seen) == len(results(cp_size)), seen
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+@pytest.mark.parametrize("with_branches", [False, True], ids=["main_only", "dflash_uniform"])
+def test_zigzag_balance(cp_size, with_branches):
+    computed = [r["balance"][with_branches].pairs_computed for r in results(cp_size)]
+    allowed = [r["balance"][with_branches].pairs_allowed for r in results(cp_size)]
+    for counts in (computed, allowed):
+        mean = sum(counts) / len(counts)
+        assert max(counts) / mean <= 1.05, counts
+
+
+def test_balance_totals_cover_every_visible_pair():
+    # Summed over ranks, the visible pairs are the same at every CP degree: nothing lost or doubled.
+    totals = {c: [sum(r["balance"][wb].pairs_allowed for r in results(c)) for wb in (False, True)] for c in CP_SIZES}
+    assert totals[1] == totals[2] == totals[4], totals
+
+
+@pytest.mark.parametrize("cp_size", CP_SIZES)
+def test_clear_errors(cp_size):
+    for rank, r in enumerate(results(cp_size)):
+        msgs = r["errors"]
+        assert f"layout.cp_size is {cp_size + 1}" in msgs["cp_size"] and f"has {cp_size} ranks" in msgs["cp_size"]
+        assert msgs["bq"].startswith("bq has shape") and "local_branch_tokens" in msgs["bq"]
