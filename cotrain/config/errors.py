@@ -47,11 +47,14 @@ def format_path(loc: Iterable[Any]) -> str:
     return out
 
 
-def unknown_key_message(key: str, valid: Iterable[str]) -> str:
+def unknown_key_message(key: str, valid: Iterable[str], where: str | None = None) -> str:
+    """``unknown key 'paralel' in policy (did you mean: parallel? valid keys: ...)``."""
     valid = sorted(valid)
     close = difflib.get_close_matches(key, valid, n=3, cutoff=0.6)
+    close += [v for v in valid if v not in close and len(key) >= 3 and (v.startswith(key) or key.startswith(v))]
     hint = f"did you mean: {', '.join(close)}? " if close else ""
-    return f"unknown key {key!r} ({hint}valid keys: {', '.join(valid)})"
+    loc = f" in {where}" if where else ""
+    return f"unknown key {key!r}{loc} ({hint}valid keys: {', '.join(valid)})"
 
 
 def _clean_loc(root: type[BaseModel], loc: Sequence[Any]) -> tuple[tuple[Any, ...], type[BaseModel] | None]:

@@ -146,12 +146,12 @@ def _check_key_path(keys: Sequence[str], text: str) -> None:
     for i, key in enumerate(keys):
         if cls is None:
             leaf = format_path(keys[:i])
-            raise ConfigError([(format_path(keys), f"override {text!r}: {leaf} is a value, not a section")])
+            raise ConfigError([(format_path(keys), f"{leaf} is a value, not a section (override {text!r})")])
         valid = section_keys(cls)
         if key not in valid:
             where = format_path(keys[:i]) or "the top level"
-            raise ConfigError([(format_path(keys[: i + 1]), f"override {text!r}: "
-                                f"{unknown_key_message(key, valid)} in {where}")])
+            raise ConfigError([(format_path(keys[: i + 1]),
+                                f"{unknown_key_message(key, valid, where)} (override {text!r})")])
         cls = valid[key]
 
 

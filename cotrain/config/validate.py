@@ -246,10 +246,10 @@ def check_batches(cfg: CotrainConfig) -> list[Issue]:
                        f"{g.group_size} = {B} is not divisible by {desc} (allowed prompts_per_step: "
                        f"{_fmt(ok, 6)}, ...; or change the micro batch / data parallel size)"))
     gbs = g.global_batch_size if g.global_batch_size is not None else B
-    if B % gbs:
+    if B % unit == 0 and B % gbs:
         issues.append(("grpo.global_batch_size", f"{gbs} does not divide prompts_per_step*group_size={B} "
                        f"(allowed: {_fmt([d for d in _divisors(B) if d % unit == 0] or _divisors(B))})"))
-    elif gbs % unit:
+    elif B % unit == 0 and gbs % unit:
         allowed = [d for d in _divisors(B) if d % unit == 0]
         issues.append(("grpo.global_batch_size", f"{gbs} is not a multiple of {desc} "
                        f"(allowed: {_fmt(allowed) if allowed else 'none for this batch'})"))

@@ -1,0 +1,563 @@
+"""Tests of cotrain.config: loading, inheritance, overrides, strictness, every validation error,
+the drafter-kind registry and the launch/grpo.py CLI. Pure Python, a few seconds."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cotrain.config import (
+    ConfigError,
+    CotrainConfig,
+    DraftKindConfig,
+    config_from_dict,
+    draft_kinds,
+    get_draft_kind,
+    load_config,
+    register_draft_kind,
+)
+from cotrain.config import schema as schema_mod
+from cotrain.config.loader import load_merged
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+DEMO = CONFIGS / "demo.yaml"
+LAUNCH = ROOT / "launch" / "grpo.py"
+
+
+def write(dirpath: Path, name: str, text: str) -> Path:
+    p = dirpath / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text)
+    return p
+
+
+def error_of(overrides, path=DEMO) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return info.value
+
+
+def assert_issue(err: ConfigError, path: str, *fragments: str) -> str:
+    """The error has an issue at ``path`` whose message holds every fragment; returns it."""
+    msgs = [m for p, m in err.issues if p == path]
+    assert msgs, f"no issue at {path!r}; got {err.issues}"
+    line = f"{path}: {msgs[0]}"
+    assert line in str(err)
+    for frag in fragments:
+        assert frag in msgs[0], f"{frag!r} not in {msgs[0]!r}"
+    return msgs[0]
+
+
+# ----------------------------------------------------------------------------- shipped configs
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_shipped_configs_validate(name):
+    cfg = load_config(CONFIGS / name)
+    assert cfg.cluster.device in ("cpu", "cuda")
+    assert cfg.model_arch is not None and cfg.model_arch.num_hidden_layers == 4
+
+
+def test_demo_configs_content():
+    demo = load_config(DEMO)
+    assert (demo.cluster.device, demo.world_size, demo.rollout.num_engines) == ("cpu", 1, 1)
+    assert demo.policy.model_path == "builtin:tiny"
+    assert 15 <= demo.grpo.num_steps <= 30
+    assert (demo.grpo.prompts_per_step, demo.grpo.group_size, demo.rollout_batch_size) == (8, 4, 32)
+    assert demo.draft.kind is None and demo.rollout.speculative.method is None
+    pp2 = load_config(CONFIGS / "demo_pp2.yaml")
+    assert pp2.policy.parallel.pipeline == 2 and pp2.world_size == 2
+    for kind in ("eagle3", "dflash"):
+        cfg = load_config(CONFIGS / f"demo_{kind}.yaml")
+        assert cfg.draft.kind == kind and cfg.draft.cotrain
+        assert cfg.rollout.speculative.method == kind
+        assert cfg.draft.settings is cfg.draft.kind_settings(kind)
+        assert all(0 <= t < 4 for t in cfg.draft.settings.tap_layers)
+    dspark = load_config(CONFIGS / "demo_dspark.yaml")
+    assert dspark.draft.kind == "dspark" and dspark.rollout.speculative.method is None
+
+
+def test_base_yaml_is_generated_and_spells_out_every_default():
+    out = subprocess.run([sys.executable, "-m", "cotrain.config.docgen", "--yaml"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    assert (CONFIGS / "base.yaml").read_text() == out, \
+        "configs/base.yaml is stale: python -m cotrain.config.docgen --yaml > configs/base.yaml"
+    raw, _ = load_merged(CONFIGS / "base.yaml")
+    defaults = CotrainConfig().model_dump(mode="json")
+    for kind in ("eagle3", "dflash", "dspark"):
+        assert kind in raw["draft"]
+    defaults["draft"] = {k: v for k, v in defaults["draft"].items() if k in raw["draft"]}
+    assert raw == defaults
+
+
+def test_docs_reference_is_current():
+    out = subprocess.run([sys.executable, "-m", "cotrain.config.docgen", "--markdown"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    doc = (ROOT / "docs" / "config.md").read_text()
+    assert out in doc, "docs/config.md reference is stale: python -m cotrain.config.docgen --markdown"
+
+
+# ----------------------------------------------------------------------------------- loading
+def test_defaults_inheritance_multi_level_and_relative(tmp_path):
+    write(tmp_path, "root.yaml", "grpo: {num_steps: 3, group_size: 4}\npolicy: {optimizer: {lr: 0.5, betas: [0.1, 0.2]}}\n")
+    write(tmp_path, "mid/a.yaml", "defaults: [../root.yaml]\ngrpo: {num_steps: 4}\n")
+    write(tmp_path, "mid/b.yaml", "defaults: ../root.yaml\ngrpo: {num_steps: 5, prompts_per_step: 16}\n"
+                                  "policy: {optimizer: {betas: [0.3, 0.4]}}\n")
+    leaf = write(tmp_path, "leaf.yaml", "defaults: [mid/a.yaml, mid/b.yaml]\nrun: {name: leaf}\n"
+                                        "grpo: {group_size: 8}\n")
+    raw, files = load_merged(leaf)
+    assert [Path(f).name for f in files] == ["root.yaml", "a.yaml", "root.yaml", "b.yaml", "leaf.yaml"]
+    cfg = load_config(leaf)
+    assert cfg.grpo.num_steps == 5            # b after a: later default wins
+    assert cfg.grpo.prompts_per_step == 16
+    assert cfg.grpo.group_size == 8           # the file itself wins over its defaults
+    assert cfg.policy.optimizer.lr == 0.5     # deep merge keeps siblings
+    assert cfg.policy.optimizer.betas == [0.3, 0.4]  # lists are replaced
+    assert cfg.run.name == "leaf" and cfg.run.output_dir == "runs/leaf"
+    assert cfg.sources[-1].endswith("leaf.yaml")
+
+
+def test_defaults_cycle_detected(tmp_path):
+    write(tmp_path, "a.yaml", "defaults: [b.yaml]\n")
+    write(tmp_path, "b.yaml", "defaults: [sub/c.yaml]\n")
+    write(tmp_path, "sub/c.yaml", "defaults: [../a.yaml]\n")
+    err = error_of([], tmp_path / "a.yaml")
+    msg = assert_issue(err, "defaults", "cycle")
+    assert "a.yaml" in msg and "b.yaml" in msg and "c.yaml" in msg
+    write(tmp_path, "self.yaml", "defaults: [self.yaml]\n")
+    assert_issue(error_of([], tmp_path / "self.yaml"), "defaults", "cycle")
+
+
+def test_defaults_errors(tmp_path):
+    assert_issue(error_of([], write(tmp_path, "m.yaml", "defaults: [nope.yaml]\n")), "defaults", "nope.yaml",
+                 "does not exist")
+    assert_issue(error_of([], write(tmp_path, "n.yaml", "defaults: {a: 1}\n")), "defaults", "list of file paths")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_empty_file_is_all_defaults(tmp_path):
+    cfg = load_config(write(tmp_path, "empty.yaml", ""))
+    assert cfg.grpo.num_steps == CotrainConfig().grpo.num_steps
+
+
+def test_yaml_errors(tmp_path):
+    with pytest.raises(ConfigError, match="duplicate key 'grpo'"):
+        load_config(write(tmp_path, "dup.yaml", "grpo: {num_steps: 1}\ngrpo: {num_steps: 2}\n"))
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(write(tmp_path, "bad.yaml", "grpo: [1,\n"))
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(write(tmp_path, "list.yaml", "- 1\n- 2\n"))
+
+
+def test_yaml_12_floats(tmp_path):
+    cfg = load_config(write(tmp_path, "f.yaml", "policy: {optimizer: {lr: 1e-5, eps: 3E-7}}\n"))
+    assert cfg.policy.optimizer.lr == 1e-5 and cfg.policy.optimizer.eps == 3e-7
+
+
+# ---------------------------------------------------------------------------------- overrides
+def test_override_types():
+    cfg = load_config(DEMO, [
+        "policy.parallel.pipeline=2",
+        "rollout.sampling.temperature=0.7",
+        "policy.optimizer.lr=1e-5",
+        "draft.kind=eagle3",
+        "draft.eagle3.tap_layers=[1, 2]",
+        "run.name=my-run",
+        "logging.wandb.enabled=true",
+        "checkpoint.resume=true",
+        "policy.parallel={tensor: 2}",     # flow mappings merge
+        "data.arithmetic.ops=['*']",
+        "cluster.cpus_per_node=8",
+    ])
+    assert cfg.policy.parallel.pipeline == 2 and cfg.policy.parallel.tensor == 2
+    assert cfg.rollout.sampling.temperature == 0.7
+    assert cfg.policy.optimizer.lr == 1e-5
+    assert cfg.draft.kind == "eagle3" and cfg.draft.eagle3.tap_layers == [1, 2]
+    assert cfg.run.name == "my-run" and cfg.logging.wandb.enabled is True
+    assert cfg.checkpoint.resume is True
+    assert cfg.data.arithmetic.ops == ["*"]
+    back = load_config(CONFIGS / "demo_eagle3.yaml", ["draft.kind=null", "rollout.speculative.method="])
+    assert back.draft.kind is None and back.rollout.speculative.method is None
+
+
+def test_override_unknown_key_lists_close_matches():
+    err = error_of(["policy.paralel.pipeline=2"])
+    assert_issue(err, "policy.paralel", "unknown key 'paralel'", "did you mean: parallel", "valid keys:",
+                 "micro_batch_size")
+    assert_issue(error_of(["polcy.dtype=float32"]), "polcy", "did you mean: policy")
+    assert_issue(error_of(["draft.eagle4.ttt_steps=2"]), "draft.eagle4", "did you mean: eagle3", "dflash")
+    assert_issue(error_of(["policy.dtype.bits=16"]), "policy.dtype.bits", "is a value, not a section")
+    with pytest.raises(ConfigError, match="key.path=value"):
+        load_config(DEMO, ["policy.parallel.pipeline"])
+    with pytest.raises(ConfigError, match="only be set in files"):
+        load_config(DEMO, ["defaults=[x.yaml]"])
+
+
+def test_override_wrong_type():
+    assert_issue(error_of(["policy.parallel.pipeline=two"]), "policy.parallel.pipeline", "expected an integer")
+    assert_issue(error_of(["policy.parallel.pipeline=true"]), "policy.parallel.pipeline", "expected an integer")
+    assert_issue(error_of(["policy.parallel.pipeline=2.5"]), "policy.parallel.pipeline", "expected an integer")
+    assert_issue(error_of(["logging.tensorboard=1"]), "logging.tensorboard", "expected a boolean")
+    assert_issue(error_of(["checkpoint.resume=5"]), "checkpoint.resume", "a boolean", "a string")
+
+
+# --------------------------------------------------------------------------------- strictness
+def test_unknown_keys_in_yaml_name_their_path(tmp_path):
+    p = write(tmp_path, "x.yaml", "defaults: [%s]\npolicy:\n  parallel: {pipelin: 2}\nfoo: 1\n"
+              "draft: {eagle3: {ttt: 2}}\n" % DEMO)
+    err = error_of([], p)
+    assert_issue(err, "policy.parallel.pipelin", "unknown key", "did you mean: pipeline")
+    assert_issue(err, "foo", "unknown key", "valid keys:", "grpo")
+    assert_issue(err, "draft.eagle3.ttt", "unknown key", "did you mean: ttt_steps")
+    assert len(err.issues) == 3
+
+
+def test_section_given_a_scalar():
+    assert_issue(error_of(["policy.parallel=2"]), "policy.parallel", "expected a mapping")
+
+
+def test_config_error_is_value_error():
+    assert issubclass(ConfigError, ValueError)
+    err = error_of(["grpo.group_size=1", "policy.parallel.pipeline=3"])
+    assert set(err.paths) == {"grpo.group_size", "policy.parallel.pipeline"}
+    assert str(err).startswith("2 config errors")
+
+
+# --------------------------------------------------------------------- every validation error
+@pytest.fixture
+def hf_model(tmp_path):
+    d = tmp_path / "hf6"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(dict(num_hidden_layers=6, num_attention_heads=6,
+                                                   num_key_value_heads=3, hidden_size=96,
+                                                   max_position_embeddings=512, model_type="llama")))
+    return d
+
+
+@pytest.fixture
+def files(tmp_path):
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(3)))
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    return {"jsonl": jsonl, "drafter": drafter, "tmp": tmp_path}
+
+
+CUDA2 = ["cluster.device=cuda", "cluster.gpus_per_node=2"]
+ERROR_CASES = [
+    # (id, overrides, path, fragments naming the allowed values)
+    ("pp_layers", ["policy.parallel.pipeline=3"], "policy.parallel.pipeline",
+     ["3 does not divide num_hidden_layers=4", "allowed: 1, 2, 4"]),
+    ("tp_heads", ["policy.parallel.tensor=3"], "policy.parallel.tensor", ["num_attention_heads=4", "allowed: 1, 2"]),
+    ("tp_kv_heads", ["policy.parallel.tensor=4", "cluster.cpus_per_node=8"], "policy.parallel.tensor",
+     ["num_key_value_heads=2", "allowed: 1, 2"]),
+    ("rollout_tp_heads", ["rollout.tensor_parallel=3"], "rollout.tensor_parallel", ["allowed: 1, 2, 4"]),
+    ("cp_zigzag", ["policy.parallel.context=3"], "policy.parallel.context",
+     ["2*context=6", "allowed: 1, 2, 4, 8"]),
+    ("seq_len_model", ["policy.max_seq_len=512"], "policy.max_seq_len", ["max_position_embeddings=256",
+                                                                        "allowed: 2..256"]),
+    ("max_tokens", ["rollout.sampling.max_tokens=64"], "rollout.sampling.max_tokens", ["allowed: 1..63"]),
+    ("world_too_big", ["policy.parallel.data=8"], "policy.parallel", ["TP*PP*CP*DP = 1*1*1*8 = 8",
+                                                                     "allowed: world size <= 4"]),
+    ("world_plus_rollout", ["policy.parallel.data=4"], "policy.parallel",
+     ["rollout.num_engines=1", "allowed: training + rollout <= 4", "rollout.colocate=true"]),
+    ("engines_fit", ["rollout.num_engines=5"], "rollout.num_engines", ["allowed: at most 4 engines"]),
+    ("engines_fit_gpu", [*CUDA2, "rollout.num_engines=3"], "rollout.num_engines", ["GPUs", "at most 2 engines"]),
+    ("world_gpu", [*CUDA2, "policy.parallel.data=2"], "policy.parallel", ["GPUs", "allowed: training + rollout <= 2"]),
+    ("cuda_no_gpus", ["cluster.device=cuda"], "cluster.device", ["gpus_per_node", "allowed: cpu, auto"]),
+    ("engine_tp_node", [*CUDA2, "rollout.tensor_parallel=4", "cluster.num_nodes=2"], "rollout.tensor_parallel",
+     ["one node", "allowed: 1..2"]),
+    ("gpus_per_engine", ["cluster.device=cuda", "cluster.gpus_per_node=4", "rollout.tensor_parallel=2",
+                         "rollout.gpus_per_engine=1"], "rollout.gpus_per_engine", ["allowed: >= 2"]),
+    ("group_size", ["grpo.group_size=1"], "grpo.group_size", ["allowed: >= 2"]),
+    ("batch_divisible", ["grpo.prompts_per_step=3", "policy.micro_batch_size=8"], "grpo.prompts_per_step",
+     ["3*4 = 12", "policy.parallel.data*policy.micro_batch_size = 1*8 = 8", "allowed prompts_per_step: 2, 4, 6"]),
+    ("global_batch_divides", ["grpo.global_batch_size=12"], "grpo.global_batch_size",
+     ["does not divide", "allowed: 4, 8, 16, 32"]),
+    ("global_batch_micro", ["grpo.global_batch_size=2"], "grpo.global_batch_size",
+     ["not a multiple", "allowed: 4, 8, 16, 32"]),
+    ("num_steps", ["grpo.num_steps=0"], "grpo.num_steps", ["allowed: >= 1"]),
+    ("checkpoint_every", ["checkpoint.every=0"], "checkpoint.every", ["allowed: >= 1"]),
+    ("kl_needs_reference", ["grpo.kl_coef=0.1"], "grpo.kl_coef", ["policy.reference_model=true", "allowed: 0"]),
+    ("spec_needs_drafter", ["rollout.speculative.method=eagle3"], "rollout.speculative.method",
+     ["draft.kind=eagle3", "rollout.speculative.draft_model", "allowed with draft.kind=null: null, ngram, draft_model"]),
+    ("spec_kind_mismatch", ["rollout.speculative.method=dflash", "draft.kind=eagle3"], "rollout.speculative.method",
+     ["draft.kind=dflash (got eagle3)", "allowed with draft.kind=eagle3: null, ngram, draft_model, eagle3"]),
+    ("spec_unknown", ["rollout.speculative.method=medusa"], "rollout.speculative.method",
+     ["allowed: null, ngram, draft_model, eagle3, dflash, dspark"]),
+    ("draft_model_required", ["rollout.speculative.method=draft_model"], "rollout.speculative.draft_model",
+     ["required by method draft_model"]),
+    ("draft_model_missing", ["rollout.speculative.method=draft_model", "rollout.speculative.draft_model=/no/such"],
+     "rollout.speculative.draft_model", ["does not exist"]),
+    ("dspark_cpu", ["rollout.speculative.method=dspark", "draft.kind=dspark"], "rollout.speculative.method",
+     ["not supported by vLLM", "allowed on cpu: null, ngram, draft_model, eagle3, dflash",
+      "rollout.speculative.method=null", "draft.cotrain=true"]),
+    ("spec_tokens_block", ["draft.kind=dflash", "draft.dflash.block_size=4", "rollout.speculative.method=dflash",
+                           "rollout.speculative.num_speculative_tokens=5"],
+     "rollout.speculative.num_speculative_tokens", ["block_size-1 = 3", "allowed: 1..3"]),
+    ("ngram_range", ["rollout.speculative.method=ngram", "rollout.speculative.ngram.prompt_lookup_min=5"],
+     "rollout.speculative.ngram.prompt_lookup_min", ["allowed: <= prompt_lookup_max"]),
+    ("tap_range_eagle3", ["draft.kind=eagle3", "draft.eagle3.tap_layers=[1, 7]"], "draft.eagle3.tap_layers[1]",
+     ["7 is not a layer", "allowed: 0..3"]),
+    ("tap_range_dflash", ["draft.kind=dflash", "draft.dflash.tap_layers=[4]"], "draft.dflash.tap_layers[0]",
+     ["allowed: 0..3"]),
+    ("tap_range_dspark", ["draft.kind=dspark", "draft.dspark.tap_layers=[0, 9]"], "draft.dspark.tap_layers[1]",
+     ["allowed: 0..3"]),
+    ("tap_negative", ["draft.kind=eagle3", "draft.eagle3.tap_layers=[-1]"], "draft.eagle3.tap_layers[0]",
+     ["allowed: >= 0"]),
+    ("tap_duplicate", ["draft.kind=eagle3", "draft.eagle3.tap_layers=[1, 1]"], "draft.eagle3.tap_layers",
+     ["duplicates", "0..3"]),
+    ("tap_empty", ["draft.kind=dflash", "draft.dflash.tap_layers=[]"], "draft.dflash.tap_layers",
+     ["at least one", "0..3"]),
+    ("block_size_dflash", ["draft.kind=dflash", "draft.dflash.block_size=1"], "draft.dflash.block_size",
+     ["allowed: >= 2"]),
+    ("block_size_dspark", ["draft.dspark.block_size=1"], "draft.dspark.block_size", ["allowed: >= 2"]),
+    ("ttt_steps", ["draft.kind=eagle3", "draft.eagle3.ttt_steps=0"], "draft.eagle3.ttt_steps", ["allowed: >= 1"]),
+    ("draft_kind", ["draft.kind=medusa"], "draft.kind", ["allowed: null, eagle3, dflash, dspark"]),
+    ("draft_loss_kind", ["draft.kind=eagle3", "draft.loss=dspark_l1"], "draft.loss",
+     ["allowed: soft_ce, forward_kl, hard_ce, e2e_tv"]),
+    ("draft_loss_value", ["draft.loss=mse"], "draft.loss",
+     ["allowed: soft_ce, forward_kl, hard_ce, dspark_l1, e2e_tv"]),
+    ("draft_fixed_random", ["draft.kind=eagle3", "draft.cotrain=false"], "draft.cotrain",
+     ["stay random", "rollout.speculative.draft_model"]),
+    ("markov_head", ["draft.dspark.markov_head=deep"], "draft.dspark.markov_head", ["allowed: vanilla, gated"]),
+    ("jsonl_required", ["data.task=jsonl"], "data.jsonl.path", ["required when data.task=jsonl"]),
+    ("jsonl_missing", ["data.task=jsonl", "data.jsonl.path=/no/such.jsonl"], "data.jsonl.path", ["does not exist"]),
+    ("jsonl_short", ["data.task=jsonl", "data.jsonl.path={jsonl}"], "data.jsonl.path", ["has 3 prompts",
+                                                                                      "allowed: a file with >= 8"]),
+    ("task_value", ["data.task=csv"], "data.task", ["allowed: arithmetic, jsonl"]),
+    ("arith_prompts", ["data.arithmetic.num_prompts=4"], "data.arithmetic.num_prompts", ["allowed: >= 8"]),
+    ("arith_ops", ["data.arithmetic.ops=['/']"], "data.arithmetic.ops[0]", ["allowed: +, -, *"]),
+    ("eval_path", ["data.eval.path=/no/such.jsonl"], "data.eval.path", ["does not exist"]),
+    ("reward_order", ["reward.correct=0.0"], "reward.correct", ["allowed: > 0"]),
+    ("reward_kind", ["reward.kind=f1"], "reward.kind", ["allowed: exact_match"]),
+    ("model_missing", ["policy.model_path=/no/such/model"], "policy.model_path",
+     ["does not exist", "allowed: builtin:tiny"]),
+    ("model_no_config", ["policy.model_path={tmp}"], "policy.model_path", ["no config.json"]),
+    ("model_builtin", ["policy.model_path=builtin:huge"], "policy.model_path", ["allowed: builtin:tiny"]),
+    ("dtype", ["policy.dtype=fp16"], "policy.dtype", ["allowed: float32, bfloat16"]),
+    ("resume_path", ["checkpoint.resume=/no/such/ckpt"], "checkpoint.resume", ["does not exist"]),
+    ("transport_cpu", ["rollout.weight_transport=nccl"], "rollout.weight_transport",
+     ["needs cluster.device=cuda", "allowed on cpu: shm"]),
+    ("transport_ipc", [*CUDA2, "rollout.weight_transport=cuda_ipc", "policy.parallel.data=1"],
+     "rollout.weight_transport", ["rollout.colocate=true", "allowed: nccl"]),
+    ("transport_shm_nodes", ["cluster.num_nodes=2", "rollout.weight_transport=shm"], "rollout.weight_transport",
+     ["one node", "allowed: nccl"]),
+    ("kv_exclusive", ["rollout.kv_cache_memory_bytes=1000000", "rollout.gpu_memory_utilization=0.5"],
+     "rollout.kv_cache_memory_bytes", ["exclusive", "allowed: set one"]),
+    ("mem_range", ["rollout.gpu_memory_utilization=1.5"], "rollout.gpu_memory_utilization", ["allowed: <= 1"]),
+    ("device_value", ["cluster.device=gpu"], "cluster.device", ["allowed: auto, cpu, cuda"]),
+    ("ray_address", ["cluster.ray_address='foo bar'"], "cluster.ray_address", ["allowed: null, 'local', 'auto'"]),
+    ("top_k", ["rollout.sampling.top_k=0"], "rollout.sampling.top_k", ["allowed: -1"]),
+    ("top_p", ["rollout.sampling.top_p=0"], "rollout.sampling.top_p", ["allowed: > 0"]),
+    ("run_name", ["run.name='a b'"], "run.name", ["[A-Za-z0-9._-]"]),
+    ("betas_len", ["policy.optimizer.betas=[0.9]"], "policy.optimizer.betas", ["at least 2"]),
+    ("sample_method", ["rollout.speculative.draft_sample_method=beam"], "rollout.speculative.draft_sample_method",
+     ["allowed: greedy, probabilistic"]),
+    ("baseline", ["grpo.baseline=median"], "grpo.baseline", ["allowed: mean, leave_one_out"]),
+    ("loss_agg", ["grpo.loss_agg=sum"], "grpo.loss_agg", ["allowed: token_mean, seq_mean"]),
+]
+
+
+@pytest.mark.parametrize("overrides,path,fragments", [c[1:] for c in ERROR_CASES], ids=[c[0] for c in ERROR_CASES])
+def test_validation_error(overrides, path, fragments, files):
+    overrides = [o.format(**files) for o in overrides]
+    assert_issue(error_of(overrides), path, *fragments)
+
+
+def test_hf_checkpoint_architecture(hf_model):
+    cfg = load_config(DEMO, [f"policy.model_path={hf_model}", "policy.max_seq_len=128", "policy.parallel.tensor=3",
+                             "policy.micro_batch_size=2", "cluster.cpus_per_node=8"])
+    assert cfg.model_arch.num_hidden_layers == 6 and cfg.model_arch.model_type == "llama"
+    err = error_of([f"policy.model_path={hf_model}", "policy.parallel.pipeline=4"])
+    assert_issue(err, "policy.parallel.pipeline", "num_hidden_layers=6", "allowed: 1, 2, 3, 6")
+    bad = hf_model.parent / "broken"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    assert_issue(error_of([f"policy.model_path={bad}"]), "policy.model_path", "num_hidden_layers")
+
+
+def test_valid_variants(files):
+    """Combinations near the limits that must pass."""
+    load_config(DEMO, ["policy.parallel.data=4", "rollout.colocate=true"])
+    load_config(DEMO, ["rollout.speculative.method=eagle3", f"rollout.speculative.draft_model={files['drafter']}"])
+    load_config(DEMO, ["draft.kind=eagle3", "draft.cotrain=false", f"rollout.speculative.draft_model={files['drafter']}"])
+    load_config(DEMO, ["data.task=jsonl", f"data.jsonl.path={files['jsonl']}", "grpo.prompts_per_step=2"])
+    cfg = load_config(CONFIGS / "demo_dspark.yaml", [*CUDA2, "rollout.speculative.method=dspark"])
+    assert cfg.rollout.weight_transport == "nccl" and cfg.rollout.gpus_per_engine == 1.0
+    assert cfg.rollout.speculative.num_speculative_tokens == 6      # dspark block_size 7 - 1
+    assert cfg.draft.loss == "dspark_l1"
+    cfg = load_config(DEMO, ["policy.parallel.context=2", "policy.parallel.pipeline=2", "cluster.cpus_per_node=5"])
+    assert cfg.world_size == 4
+
+
+# ------------------------------------------------------------------------------- resolution
+def test_resolved_values_and_round_trip(tmp_path):
+    cfg = load_config(CONFIGS / "demo_eagle3.yaml")
+    assert cfg.run.output_dir == "runs/demo_eagle3"
+    assert cfg.checkpoint.dir == "runs/demo_eagle3/checkpoints"
+    assert cfg.logging.tensorboard_dir == "runs/demo_eagle3/tensorboard"
+    assert cfg.rollout.weight_transport == "shm" and cfg.rollout.enforce_eager is True
+    assert cfg.rollout.kv_cache_memory_bytes == 256 * 2**20 and cfg.rollout.gpus_per_engine == 0
+    assert cfg.grpo.global_batch_size == 32 and cfg.micro_batches_per_update == 8
+    assert cfg.draft.eagle3.tap_layers == [0, 2, 3] and cfg.draft.loss == "soft_ce"
+    again = load_config(write(tmp_path, "resolved.yaml", cfg.to_yaml()))
+    assert again.to_dict() == cfg.to_dict()
+    clone = pickle.loads(pickle.dumps(cfg))           # configs travel to Ray actors
+    assert clone.to_dict() == cfg.to_dict() and clone.draft.settings.ttt_steps == 3
+    assert clone.model_arch == cfg.model_arch
+
+
+def test_defaults_resolve_for_cuda():
+    cfg = load_config(DEMO, ["cluster.device=auto", "cluster.gpus_per_node=4", "rollout.colocate=true"])
+    assert cfg.cluster.device == "cuda" and cfg.rollout.weight_transport == "cuda_ipc"
+    assert cfg.rollout.gpu_memory_utilization == 0.4 and cfg.rollout.enforce_eager is False
+
+
+def test_default_tap_layers_for_deep_targets():
+    assert get_draft_kind("eagle3")().default_tap_layers(32) == [1, 15, 28]
+    assert get_draft_kind("dflash")(num_layers=5).default_tap_layers(36) == [1, 9, 17, 25, 33]
+    assert get_draft_kind("dflash")().default_tap_layers(36) == [18]
+
+
+def test_config_from_dict_and_construct_in_code():
+    cfg = config_from_dict({"grpo": {"num_steps": 3}, "cluster": {"cpus_per_node": 4}})
+    assert cfg.grpo.num_steps == 3 and cfg.world_size == 1
+    with pytest.raises(ConfigError, match="grpo.group_size"):
+        config_from_dict({"grpo": {"group_size": 1}})
+
+
+# --------------------------------------------------------------------------- drafter registry
+@pytest.fixture
+def registry():
+    saved = dict(schema_mod._DRAFT_KINDS)
+    yield
+    schema_mod._DRAFT_KINDS.clear()
+    schema_mod._DRAFT_KINDS.update(saved)
+
+
+class MedusaConfig(DraftKindConfig):
+    """A test kind."""
+
+    vllm_method = "medusa"
+    num_heads: int = 2
+    """Heads."""
+
+
+def test_register_new_draft_kind(registry):
+    assert "medusa" not in draft_kinds()
+    register_draft_kind("medusa", MedusaConfig)
+    assert get_draft_kind("medusa") is MedusaConfig
+    cfg = load_config(DEMO, ["draft.kind=medusa", "draft.medusa.num_heads=4", "rollout.speculative.method=medusa",
+                             "rollout.speculative.num_speculative_tokens=2"])
+    assert cfg.draft.settings.num_heads == 4 and cfg.draft.medusa.num_heads == 4
+    assert cfg.draft.settings.tap_layers == [0, 2, 3]
+    assert "medusa" in cfg.to_dict()["draft"]
+    err = error_of(["draft.kind=hydra"])
+    assert_issue(err, "draft.kind", "allowed: null, eagle3, dflash, dspark, medusa")
+    assert_issue(error_of(["draft.medusa.num_heads=x"]), "draft.medusa.num_heads", "expected an integer")
+    with pytest.raises(ValueError, match="already registered"):
+        register_draft_kind("eagle3", MedusaConfig)
+    with pytest.raises(ValueError, match="clashes"):
+        register_draft_kind("loss", MedusaConfig)
+    with pytest.raises(KeyError, match="registered: eagle3"):
+        get_draft_kind("hydra")
+
+
+def test_replace_builtin_kind(registry):
+    class Eagle3Plus(get_draft_kind("eagle3")):
+        extra: int = 1
+
+    register_draft_kind("eagle3", Eagle3Plus, replace=True)
+    cfg = load_config(CONFIGS / "demo_eagle3.yaml", ["draft.eagle3.extra=5"])
+    assert isinstance(cfg.draft.settings, Eagle3Plus) and cfg.draft.settings.extra == 5
+
+
+# ------------------------------------------------------------------------------ property test
+def test_parallel_degrees_property():
+    pytest.importorskip("hypothesis")
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    known = {"policy.parallel.pipeline", "policy.parallel.tensor", "policy.parallel.context", "policy.parallel",
+             "grpo.prompts_per_step", "grpo.global_batch_size", "rollout.num_engines"}
+
+    @settings(max_examples=60, deadline=None)
+    @given(tp=st.integers(1, 5), pp=st.integers(1, 5), cp=st.integers(1, 4), dp=st.integers(1, 4),
+           mbs=st.integers(1, 8), cpus=st.integers(1, 64))
+    def check(tp, pp, cp, dp, mbs, cpus):
+        ov = [f"policy.parallel.tensor={tp}", f"policy.parallel.pipeline={pp}", f"policy.parallel.context={cp}",
+              f"policy.parallel.data={dp}", f"policy.micro_batch_size={mbs}", f"cluster.cpus_per_node={cpus}"]
+        try:
+            cfg = load_config(DEMO, ov)
+        except ConfigError as e:
+            assert set(e.paths) <= known, e.issues
+            assert all("allowed" in m for _, m in e.issues), e.issues
+            return
+        assert 4 % pp == 0 and 2 % tp == 0 and (cp == 1 or 64 % (2 * cp) == 0)
+        assert cfg.world_size + 1 <= cpus
+        assert cfg.rollout_batch_size % (dp * mbs) == 0
+
+    check()
+
+
+# ------------------------------------------------------------------------------------- CLI
+def _cli(*args, cwd=ROOT):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, str(LAUNCH), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_cli_validate_only_ok_from_any_directory(tmp_path):
+    res = _cli("--config", str(DEMO), "grpo.num_steps=5", "--validate-only", "policy.parallel.pipeline=2",
+               cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "config OK" in res.stdout and "world size 2" in res.stdout and "5 steps" in res.stdout
+
+
+def test_cli_validate_only_error_exit_2():
+    res = _cli("--config", "configs/demo.yaml", "--validate-only", "policy.parallel.pipeline=3")
+    assert res.returncode == 2
+    assert "policy.parallel.pipeline: 3 does not divide num_hidden_layers=4 (allowed: 1, 2, 4)" in res.stderr
+    res = _cli("--config", "configs/nope.yaml", "--validate-only")
+    assert res.returncode == 2 and "does not exist" in res.stderr
+
+
+def _launcher():
+    spec = importlib.util.spec_from_file_location("cotrain_launch_grpo", LAUNCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cli_without_driver_exits_1(monkeypatch, capsys):
+    mod = _launcher()
+    monkeypatch.setattr(mod.importlib.util, "find_spec", lambda name, *a: None)
+    assert mod.main(["--config", str(DEMO)]) == 1
+    assert "cotrain.rl.driver" in capsys.readouterr().err
+
+
+def test_cli_calls_driver_with_resume(monkeypatch, capsys):
+    mod = _launcher()
+    calls = []
+
+    class FakeDriver:
+        @staticmethod
+        def main(cfg, resume=False):
+            calls.append((cfg, resume))
+            return 0
+
+    monkeypatch.setattr(mod.importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.setattr(mod.importlib, "import_module", lambda name: FakeDriver)
+    assert mod.main(["--config", str(DEMO), "grpo.num_steps=2", "--resume", "--print-config"]) == 0
+    cfg, resume = calls[0]
+    assert cfg.grpo.num_steps == 2 and resume is True and cfg.checkpoint.resume is True
+    assert yaml.safe_load(capsys.readouterr().out)["grpo"]["num_steps"] == 2
