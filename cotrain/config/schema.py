@@ -614,9 +614,10 @@ class GrpoConfig(StrictModel):
 class ArithmeticConfig(StrictModel):
     """The built-in arithmetic task (final answer checked exactly)."""
 
-    digits: Annotated[int, Field(ge=1, le=9)] = 2
-    """Digits per operand."""
-    ops: Annotated[list[Literal["+", "-", "*"]], Field(min_length=1)] = ["+", "-"]
+    digits: Annotated[int, Field(ge=1, le=9)] = 3
+    """Most digits per operand (each operand has 1..digits digits). The built-in tiny model is
+    warm-started on 3 digits with '+'."""
+    ops: Annotated[list[Literal["+", "-", "*"]], Field(min_length=1)] = ["+"]
     """Operators to draw from."""
     num_prompts: PosInt = 1000
     """Size of the generated training prompt set."""
@@ -673,7 +674,7 @@ class RewardConfig(StrictModel):
     incorrect: float = 0.0
     """Reward of a wrong answer."""
     format_error: float = 0.0
-    """Reward when no answer can be parsed."""
+    """Reward of a response without an answer (an empty first line)."""
 
 
 # ----------------------------------------------------------------------------------------- logging
