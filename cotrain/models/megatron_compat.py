@@ -9,7 +9,8 @@ tracker (``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()
 Rather than copying and editing those functions (which would drift from Megatron), this layer gives
 the ``megatron.core`` modules a view of ``torch`` in which *the CUDA device is the CPU*:
 
-* ``torch.cuda.current_device()`` returns ``torch.device("cpu")``;
+* ``torch.cuda.current_device()`` returns ``torch.device("cpu")``; ``torch.cuda.synchronize()``
+  (after the pipeline's batched P2P) and ``empty_cache()`` do nothing;
 * tensor factories (``zeros``, ``empty``, ``arange``, ...) and ``Tensor.to``-style device arguments
   given as ``"cuda"`` / ``torch.device("cuda", i)`` become CPU, and ``pin_memory=True`` is dropped;
 * the CUDA RNG tracker is replaced by :class:`CpuRNGStatesTracker`, which forks the CPU generator.
@@ -101,6 +102,12 @@ class _CpuCuda(types.ModuleType):
 
     def current_device(self):
         return _CPU
+
+    def synchronize(self, device=None):
+        pass  # CPU ops are synchronous
+
+    def empty_cache(self):
+        pass
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
