@@ -13,7 +13,9 @@ the ``megatron.core`` modules a view of ``torch`` in which *the CUDA device is t
   (after the pipeline's batched P2P) and ``empty_cache()`` do nothing;
 * tensor factories (``zeros``, ``empty``, ``arange``, ...) and ``Tensor.to``-style device arguments
   given as ``"cuda"`` / ``torch.device("cuda", i)`` become CPU, and ``pin_memory=True`` is dropped;
-* the CUDA RNG tracker is replaced by :class:`CpuRNGStatesTracker`, which forks the CPU generator.
+* the CUDA RNG tracker is replaced by :class:`CpuRNGStatesTracker`, which forks the CPU generator;
+* RoPE's zigzag split for context parallelism (``get_pos_emb_on_this_cp_rank``, which moves its
+  index tensor with ``Tensor.cuda()``) is replaced by :func:`pos_emb_on_this_cp_rank`, same rule.
 
 Everything else is the real ``torch``. The view is installed per module (``module.torch``), so
 code outside Megatron - vLLM, Ray, the project itself - is untouched. It is inactive when CUDA is
@@ -195,6 +197,17 @@ def model_parallel_manual_seed(seed: int) -> None:
     _TRACKER.add("data-parallel-rng", seed)  # name used by some Megatron modules; same seed as Megatron
 
 
+def pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """Rotary embeddings of the two zigzag chunks this CP rank holds: r and 2C-1-r of 2C."""
+    if cp_group is None:
+        raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1 :])
+    chunks = chunks.index_select(seq_dim, idx)
+    return chunks.view(*chunks.shape[:seq_dim], -1, *chunks.shape[seq_dim + 2 :])
+
+
 def is_active() -> bool:
     return not torch.cuda.is_available()
 
@@ -227,6 +240,9 @@ def apply_cpu_compat() -> bool:
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     mrandom.model_parallel_cuda_manual_seed = model_parallel_manual_seed
     mrandom.get_cuda_rng_tracker = lambda *a, **k: _TRACKER
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.core") and getattr(module, "get_pos_emb_on_this_cp_rank", None) is not None:
+            module.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
     for name, module in list(sys.modules.items()):
         # modules that did `from ...random import get_cuda_rng_tracker` hold their own reference
         if name.startswith("megatron.core") and module is not None:
