@@ -11,10 +11,11 @@ Only main K/V travel (each step sends one shard, C-1 steps), so the bytes a rank
 depend on the number or depth of the branches:
     forward   (C-1) * 2 * local_len * Hk * D * sizeof(dtype)
     backward  (C-1) * 2 * local_len * Hk * D * sizeof(dtype)     K/V around the ring again
-            +  C    * 2 * local_len * Hk * D * 4                  fp32 dK/dV travelling back
+            + (C-1) * 2 * local_len * Hk * D * 4                  fp32 dK/dV travelling back
 (0 for C = 1). In the backward, dQ stays where its query lives; the dK/dV of each main shard ride
-the ring with it, every rank adds its contribution, and after C hops they are back at the owner
-(ring-flash-attention's scheme). Branch dK/dV are local.
+the ring behind it (as in ring-flash-attention): the first visitor starts the fp32 sum, every later
+visitor adds its part and the last one sends it home, where the owner adds its own part (C-1 hops,
+not C: the owner's share never travels). Branch dK/dV are local.
 
 Partial results are merged in fp32; out is returned in the inputs' dtype, lse in fp32. The LSE
 outputs are differentiable. Padding rows (see the zigzag padding rule) get out = 0, lse = -inf and
@@ -254,7 +255,7 @@ class _CPBranchAttention(torch.autograd.Function):
         kv = torch.stack([k, v])
         kv_comm = RingComm(group, tag=1) if C > 1 else None
         dkv_comm = RingComm(group, tag=2) if C > 1 else None
-        dkv = next_dkv = None
+        own_dkv = travelling = None
         for step in range(C):
             if step + 1 < C:
                 next_kv = kv_comm.send_recv(kv)
@@ -269,19 +270,21 @@ class _CPBranchAttention(torch.autograd.Function):
                 dq_all[T:] += dbq_b
             block = torch.stack([dk_b, dv_b])
             if step == 0:
-                dkv = block
+                own_dkv = block  # our own shard: kept here until its visitors' sum comes home
             else:
-                dkv_comm.wait()  # the dK/dV of shard src, accumulated by the ranks it visited before
-                dkv = next_dkv + block
+                # Shard src's dK/dV, summed over the ranks that held it at steps 1 .. step-1.
+                if step > 1:
+                    dkv_comm.wait()
+                    block = travelling + block
+                travelling = dkv_comm.send_recv(block)  # to the next visitor, or home after the last step
+                dkv_comm.commit()
             if step + 1 < C:
                 kv_comm.wait()
                 kv = next_kv
-            if C > 1:
-                next_dkv = dkv_comm.send_recv(dkv)
-                dkv_comm.commit()
         if C > 1:
-            dkv_comm.wait()  # our own shard's dK/dV, back from its last visitor
-            dkv = next_dkv
+            dkv_comm.wait()  # our own shard's dK/dV from ranks r+1 .. r+C-1
+            own_dkv = own_dkv + travelling
+        dkv = own_dkv
         if ctx.stats is not None and C > 1:
             ctx.stats.bytes_sent_backward += kv_comm.bytes_sent + dkv_comm.bytes_sent
         return (

@@ -72,8 +72,8 @@ def test_bytes_closed_form_and_independent_of_branches(cp_size):
                 L = stats.local_len
                 shard = 2 * L * H_kv * D  # one K/V shard, elements
                 assert stats.bytes_sent_forward == (C - 1) * shard * size, (rank, num_blocks, block_size)
-                # K/V travel the ring again, and the fp32 dK/dV make C hops back to their owner.
-                expected_bwd = ((C - 1) * shard * size + C * shard * 4) if C > 1 else 0
+                # K/V travel the ring again, and the fp32 dK/dV make C-1 hops back to their owner.
+                expected_bwd = (C - 1) * shard * (size + 4)
                 assert stats.bytes_sent_backward == expected_bwd, (rank, num_blocks, block_size)
                 seen.add((rank, stats.bytes_sent_forward, stats.bytes_sent_backward))
         # The same numbers with 0, 1, 3 and 6 blocks per sequence and block sizes 1, 4, 16.
