@@ -65,3 +65,20 @@ def pp_train_step(rank, world, model_path, pp, micro):
             result["logits"] = model(micro[0][0], pos, None)
     return result
 
+
+
+def megatron_logits(rank, world, model_path, ids):
+    """Logits of a HF checkpoint loaded into a single-stage Megatron GPTModel."""
+    from cotrain.models.hf_io import load_hf_checkpoint
+    from cotrain.models.megatron_compat import model_parallel_manual_seed
+    from cotrain.models.megatron_model import build_gpt_model, load_hf_weights
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel()
+    model_parallel_manual_seed(0)
+    arch, _, hf_state = load_hf_checkpoint(model_path)
+    model = build_gpt_model(arch)
+    load_hf_weights(model, hf_state, arch)
+    pos = torch.arange(ids.shape[1])[None].expand_as(ids)
+    with torch.no_grad():
+        return model(ids, pos, None)

@@ -49,3 +49,18 @@ def test_pp2_gradients_match_pp1_per_parameter(runs):
     assert set(merged) == set(pp1["grads"])
     for name, g in pp1["grads"].items():
         torch.testing.assert_close(merged[name], g, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_tied_llama_logits_match_hf(tmp_path):
+    """Llama with tied embeddings (no q/k norms): conversion and the Megatron model agree with HF."""
+    from test_convert import random_hf
+
+    from _megatron_workers import megatron_logits
+
+    model, _, _ = random_hf("llama", tied=True)
+    model.save_pretrained(str(tmp_path))
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    (got,) = spawn_local(megatron_logits, 1, str(tmp_path), ids)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)

@@ -69,10 +69,6 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], arch: ArchSpec) -> dict[str, tor
         out[dst + "self_attention.linear_qkv.weight"] = fuse_qkv(
             hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], arch
         )
-        if arch.attention_bias:
-            out[dst + "self_attention.linear_qkv.bias"] = fuse_qkv(
-                hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], arch
-            )
         out[dst + "mlp.linear_fc1.weight"] = torch.cat(
             [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]], dim=0
         )
@@ -93,9 +89,6 @@ def megatron_to_hf(mc: dict[str, torch.Tensor], arch: ArchSpec) -> dict[str, tor
         a = dst + "self_attn."
         q, k, v = split_qkv(mc[src + "self_attention.linear_qkv.weight"], arch)
         out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = q, k, v
-        if src + "self_attention.linear_qkv.bias" in mc:
-            q, k, v = split_qkv(mc[src + "self_attention.linear_qkv.bias"], arch)
-            out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = q, k, v
         gate, up = torch.chunk(mc[src + "mlp.linear_fc1.weight"], 2, dim=0)
         out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
         out[dst + "mlp.down_proj.weight"] = mc[src + "mlp.linear_fc2.weight"]
@@ -108,7 +101,7 @@ def megatron_to_hf(mc: dict[str, torch.Tensor], arch: ArchSpec) -> dict[str, tor
 # ---------------------------------------------------------------------------------------------
 # Tensor parallelism: how each Megatron tensor is partitioned across TP ranks.
 
-_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
+_COLUMN = ("linear_qkv.weight", "word_embeddings.weight", "output_layer.weight")
 _ROW = ("linear_proj.weight", "linear_fc2.weight")
 
 

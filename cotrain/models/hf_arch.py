@@ -27,7 +27,6 @@ class ArchSpec:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qk_norm: bool
-    attention_bias: bool
 
     @property
     def q_per_kv(self) -> int:
@@ -43,6 +42,10 @@ class ArchSpec:
         rope_type = rope.get("rope_type", (rope_scaling or {}).get("rope_type", "default"))
         if rope_type not in (None, "default"):
             raise ValueError(f"rope_parameters.rope_type: {rope_type!r} is not supported (allowed: default)")
+        if hf.get("attention_bias") or hf.get("mlp_bias"):
+            # HF puts the bias on q/k/v *and* o_proj; Megatron can bias linear_proj only together
+            # with the MLP (add_bias_linear), which HF does not have, so the two can't match exactly.
+            raise ValueError("attention_bias / mlp_bias: true is not supported (allowed: false)")
         num_heads = int(hf["num_attention_heads"])
         num_kv = int(hf.get("num_key_value_heads") or num_heads)
         if num_heads % num_kv:
@@ -61,6 +64,5 @@ class ArchSpec:
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qk_norm=model_type == "qwen3",
-            attention_bias=bool(hf.get("attention_bias", False)),
         )
 

@@ -42,7 +42,6 @@ def transformer_config(arch: ArchSpec, *, dtype: torch.dtype = torch.float32, **
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=arch.attention_bias,
         qk_layernorm=arch.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
