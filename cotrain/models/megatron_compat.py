@@ -31,9 +31,13 @@ import contextlib
 import importlib
 import sys
 import types
+import warnings
 from typing import Any
 
 import torch
+
+# Expected on CPU (transformer-engine and apex are GPU-only extras); megatron repeats it per module.
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed")
 
 # The megatron modules that are imported before patching; anything else from megatron.core that is
 # already in sys.modules is patched too. Call apply_cpu_compat() again after importing more.
