@@ -362,7 +362,7 @@ def main():
             f"{(r['ours_bytes_fwd'] + r['ours_bytes_bwd']) / 1024:.0f}", f"{(r['pad_bytes_fwd'] + r['pad_bytes_bwd']) / 1024:.0f}",
             "-" if r["ratio_bytes_total"] is None else f"{r['ratio_bytes_total']:.2f}", f"{r['max_diff_vs_baseline']:.1e}",
         )
-    Console().print(table)
+    Console(width=200).print(table)
 
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     layout, _, _ = make_workload(args, 1)

@@ -35,7 +35,7 @@ from cotrain.parallel.layout import BranchLayout
 from cotrain.parallel.lse import merge_lse_
 from cotrain.parallel.ring import RingComm, group_rank_and_size
 
-DEFAULT_MAX_TILE = 1024
+DEFAULT_MAX_TILE = 256  # tile rows/cols: small enough to skip most masked work, big enough for matmul
 
 
 @dataclass

@@ -125,9 +125,9 @@ class TorchBlockKernel:
         hk = k.shape[1]
         qt = _heads(q[tile.q0 : tile.q1], hk)  # (Hk, g, n, D)
         kt = k[tile.k0 : tile.k1].float().permute(1, 0, 2).unsqueeze(1)  # (Hk, 1, m, D)
-        s = torch.matmul(qt, kt.transpose(-1, -2)) * scale  # (Hk, g, n, m)
+        s = torch.matmul(qt, kt.transpose(-1, -2)).mul_(scale)  # (Hk, g, n, m)
         if tile.kind != FULL:
-            s = s.masked_fill(~mask.allowed(tile), float("-inf"))
+            s.masked_fill_(~mask.allowed(tile), float("-inf"))
         return qt, kt, s
 
     def forward(self, q, k, v, mask: BlockMask, scale: float):
@@ -137,10 +137,13 @@ class TorchBlockKernel:
         lse = torch.full((nq, h), float("-inf"), dtype=torch.float32, device=q.device)
         for tile in mask.tiles:
             _, _, s = self._scores(q, k, mask, tile, scale)
-            tile_lse = torch.logsumexp(s, dim=-1)  # (Hk, g, n)
-            p = torch.exp(s - _finite_or_zero(tile_lse).unsqueeze(-1))
+            # One exp per score: e = exp(S - rowmax), lse = rowmax + log(sum e), out = (e v) / sum e.
+            row_max = _finite_or_zero(s.amax(dim=-1, keepdim=True))
+            e = s.sub_(row_max).exp_()
+            denom = e.sum(dim=-1, keepdim=True)  # 0 for rows that see nothing in this tile
+            tile_lse = (row_max + torch.log(denom)).squeeze(-1)  # (Hk, g, n), -inf for those rows
             vt = v[tile.k0 : tile.k1].float().permute(1, 0, 2).unsqueeze(1)  # (Hk, 1, m, D)
-            tile_out = torch.matmul(p, vt)  # (Hk, g, n, D)
+            tile_out = torch.matmul(e, vt).div_(torch.where(denom > 0, denom, torch.ones_like(denom)))
             rows = slice(tile.q0, tile.q1)
             merge_lse_(out[rows], lse[rows], _unheads(tile_out), _unheads(tile_lse))
         return out, lse
@@ -156,11 +159,11 @@ class TorchBlockKernel:
         for tile in mask.tiles:
             rows, cols = slice(tile.q0, tile.q1), slice(tile.k0, tile.k1)
             qt, kt, s = self._scores(q, k, mask, tile, scale)
-            p = torch.exp(s - _finite_or_zero(_heads(lse[rows].unsqueeze(-1), hk).squeeze(-1)).unsqueeze(-1))
+            p = s.sub_(_finite_or_zero(_heads(lse[rows].unsqueeze(-1), hk))).exp_()  # (Hk, g, n, m)
             do = _heads(dout[rows], hk)  # (Hk, g, n, D)
             vt = v[cols].float().permute(1, 0, 2).unsqueeze(1)  # (Hk, 1, m, D)
             dp = torch.matmul(do, vt.transpose(-1, -2))  # (Hk, g, n, m)
-            ds = p * (dp - _heads(delta[rows].unsqueeze(-1), hk))
+            ds = dp.sub_(_heads(delta[rows].unsqueeze(-1), hk)).mul_(p)
             dq[rows] += _unheads(torch.matmul(ds, kt)) * scale
             dk[cols] += (torch.matmul(ds.transpose(-1, -2), qt).sum(1) * scale).permute(1, 0, 2)
             dv[cols] += torch.matmul(p.transpose(-1, -2), do).sum(1).permute(1, 0, 2)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-ARCH = dict(
-    model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64,
-    tie_word_embeddings=False, qk_norm=True, attention_bias=False,
+HF_CONFIG = dict(  # a tiny Qwen3 (GQA, qk-norm), as a Hugging Face config
+    model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
+    max_position_embeddings=64, tie_word_embeddings=False,
 )
 
 
@@ -63,7 +63,7 @@ def cp_vs_cp1(rank: int, world: int, window=None, batch: int = 2, seq_len: int =
 
     apply_cpu_compat()
     rope_workaround = _rope_cp_split_workaround()
-    arch = ArchSpec(**ARCH)
+    arch = ArchSpec.from_hf(HF_CONFIG)
     overrides = {} if window is None else {"window_size": (window - 1, 0)}
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, arch.vocab_size, (batch, seq_len + 1), generator=g)
