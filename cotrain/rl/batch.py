@@ -1,0 +1,61 @@
+"""The training batch: sampled responses laid out for teacher-forced recomputation.
+
+Each sequence is ``prompt + response`` (right-padded). Position t of the model input predicts
+``targets[t] = tokens[t + 1]``; ``mask[t]`` is 1 where that target is a response token, so every
+per-token quantity (log-probs, advantages, losses) lives on the ``[N, S]`` target grid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from cotrain.rl.interfaces import Sample
+
+
+@dataclass
+class TrainBatch:
+    inputs: torch.Tensor  # [N, S] token ids fed to the model
+    targets: torch.Tensor  # [N, S] next tokens
+    mask: torch.Tensor  # [N, S] float, 1 on response targets
+    advantages: torch.Tensor  # [N] one advantage per sequence
+    rollout_logprobs: torch.Tensor  # [N, S] the sampler's log-probs on response targets (0 elsewhere)
+    old_logprobs: torch.Tensor | None = None  # [N, S] trainer's log-probs before the update
+    ref_logprobs: torch.Tensor | None = None  # [N, S] reference policy's log-probs
+
+    def __len__(self) -> int:
+        return self.inputs.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.inputs.shape[1]
+
+    def select(self, idx: slice | torch.Tensor) -> "TrainBatch":
+        return TrainBatch(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[idx])
+                             for f in fields(self)})
+
+    def split(self, parts: int) -> list["TrainBatch"]:
+        if len(self) % parts:
+            raise ValueError(f"batch of {len(self)} sequences does not split into {parts} equal parts")
+        n = len(self) // parts
+        return [self.select(slice(i * n, (i + 1) * n)) for i in range(parts)]
+
+
+def build_batch(samples: list[Sample], advantages: list[float], pad_id: int, multiple_of: int = 1) -> TrainBatch:
+    """Lay out samples (flat list) with their advantages; S is rounded up to ``multiple_of``."""
+    seqs = [s.prompt_token_ids + s.token_ids for s in samples]
+    longest = max(len(s) for s in seqs) - 1
+    S = -(-longest // multiple_of) * multiple_of
+    N = len(samples)
+    tokens = torch.full((N, S + 1), pad_id, dtype=torch.long)
+    mask = torch.zeros(N, S)
+    rollout_lp = torch.zeros(N, S)
+    for i, (s, seq) in enumerate(zip(samples, seqs)):
+        tokens[i, : len(seq)] = torch.tensor(seq)
+        start, end = len(s.prompt_token_ids) - 1, len(seq) - 1  # targets that are response tokens
+        mask[i, start:end] = 1
+        if s.logprobs:
+            rollout_lp[i, start:end] = torch.tensor(s.logprobs, dtype=torch.float32)
+    return TrainBatch(inputs=tokens[:, :-1].contiguous(), targets=tokens[:, 1:].contiguous(), mask=mask,
+                      advantages=torch.tensor(advantages, dtype=torch.float32), rollout_logprobs=rollout_lp)

@@ -1,0 +1,69 @@
+"""Where step metrics go: a JSONL file (always; the source for plots and resume checks),
+TensorBoard (default), and optionally Weights & Biases and MLflow.
+
+Metric names are ``group/name`` (``reward/mean``, ``kl/train_infer``, ``spec/acceptance_length``,
+``time/rollout``...), the same in every sink.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class MetricsLogger:
+    def __init__(self, cfg, resume_step: int = 0):
+        self.out = Path(cfg.run.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.jsonl = self.out / "metrics.jsonl"
+        if self.jsonl.exists():  # keep the history of the steps before the resume point only
+            kept = [ln for ln in self.jsonl.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step]
+            self.jsonl.write_text("".join(k + "\n" for k in kept))
+        self.tb = None
+        if cfg.logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(cfg.logging.tensorboard_dir, purge_step=resume_step + 1 if resume_step else None)
+        self.wandb = None
+        if cfg.logging.wandb.enabled:
+            import wandb
+
+            w = cfg.logging.wandb
+            self.wandb = wandb.init(project=w.project, entity=w.entity, mode=w.mode, name=cfg.run.name,
+                                    config=cfg.to_dict(), dir=str(self.out), resume="allow")
+        self.mlflow = None
+        if cfg.logging.mlflow.enabled:
+            import mlflow
+
+            mlflow.set_tracking_uri(cfg.logging.mlflow.tracking_uri)
+            mlflow.set_experiment(cfg.logging.mlflow.experiment)
+            self.mlflow = mlflow
+            mlflow.start_run(run_name=cfg.run.name)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        metrics = {k: float(v) for k, v in metrics.items()}
+        with self.jsonl.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if self.mlflow is not None:
+            self.mlflow.log_metrics({k.replace("/", ".") : v for k, v in metrics.items()}, step=step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        if self.mlflow is not None:
+            self.mlflow.end_run()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"no metrics.jsonl in {run_dir} (is it a cotrain run directory?)")
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]

@@ -1,0 +1,251 @@
+"""One rank of the Megatron policy trainer (what runs inside each training worker).
+
+A world of TP x PP x CP x DP ranks holds the policy as megatron-core GPTModel stages (wrapped in
+Megatron's DistributedDataParallel, stepped by Megatron's optimizer). Every method is called on
+*all* ranks with the same arguments (SPMD); each rank takes the slice of the batch that belongs to
+its data-parallel rank, and results come back from the ranks that hold them (the last pipeline
+stage for per-token quantities, global rank 0 for exported weights).
+
+Loss scaling: the GRPO loss is a mean over *all* response tokens of the step (``token_mean``) or
+over all sequences (``seq_mean``). A micro-batch contributes ``local_sum / global_count``; since
+Megatron's schedule divides each micro-batch loss by the number of micro-batches and its DDP
+averages gradients over DP ranks, the loss handed to Megatron is multiplied by both, so that the
+gradient is exactly that of the global mean whatever the layout (tested: PP/DP layouts agree).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from cotrain.models import convert
+from cotrain.models.hf_io import load_hf_checkpoint
+from cotrain.models.megatron_compat import model_parallel_manual_seed
+from cotrain.models.megatron_model import build_gpt_model, layer_offset, load_hf_weights, tensor_state, transformer_config
+from cotrain.rl.batch import TrainBatch
+from cotrain.rl.grpo import aggregate, grpo_token_losses
+
+from megatron.core import parallel_state as ps  # noqa: E402  (after the compat layer)
+from megatron.core import tensor_parallel  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+
+
+class MegatronPolicyWorker:
+    def __init__(self, cfg, model_path: str, rank: int, world_size: int, master_addr: str, master_port: int):
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        par = cfg.policy.parallel
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        if par.context > 1:
+            raise NotImplementedError("policy.parallel.context > 1 is not wired into the GRPO trainer yet "
+                                      "(cotrain.parallel's adapter runs it in tests); use context: 1")
+        ps.initialize_model_parallel(tensor_model_parallel_size=par.tensor, pipeline_model_parallel_size=par.pipeline,
+                                     context_parallel_size=par.context)
+        model_parallel_manual_seed(cfg.run.seed)
+        self.arch, _, hf_state = load_hf_checkpoint(model_path)
+        self.dtype = torch.bfloat16 if cfg.policy.dtype == "bfloat16" else torch.float32
+        mcfg = transformer_config(self.arch, dtype=self.dtype)
+        mcfg.finalize_model_grads_func = finalize_model_grads
+        model = build_gpt_model(self.arch, mcfg)
+        load_hf_weights(model, hf_state, self.arch)
+        self.model = DistributedDataParallel(
+            mcfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=False), model)
+        opt = cfg.policy.optimizer
+        # clip_grad=0 here: Megatron's clipping asserts CUDA tensors; we clip in step() (same maths)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=opt.lr, adam_beta1=opt.betas[0], adam_beta2=opt.betas[1],
+                            adam_eps=opt.eps, weight_decay=opt.weight_decay, clip_grad=0.0,
+                            bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype),
+            [self.model])
+        self.ref_model = None
+        if cfg.policy.reference_model:
+            self.ref_model = build_gpt_model(self.arch, transformer_config(self.arch, dtype=self.dtype))
+            load_hf_weights(self.ref_model, hf_state, self.arch)
+            self.ref_model.requires_grad_(False).eval()
+        self.steps_done = 0
+
+    # ------------------------------------------------------------------ layout
+    def info(self) -> dict:
+        return {"rank": self.rank, "dp_rank": ps.get_data_parallel_rank(), "dp_size": ps.get_data_parallel_world_size(),
+                "pp_rank": ps.get_pipeline_model_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
+                "holds_outputs": self._holds_outputs()}
+
+    def _holds_outputs(self) -> bool:
+        return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+
+    def _my_shard(self, batch: TrainBatch) -> TrainBatch:
+        return batch.split(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
+
+    # ------------------------------------------------------------------ forward machinery
+    def _token_logprobs(self, model, mb: TrainBatch) -> torch.Tensor:
+        """log pi(target) for every position, [b, S] (vocab-parallel safe)."""
+        pos = torch.arange(mb.seq_len)[None].expand(len(mb), -1)
+        logits = model(mb.inputs, pos, None)
+        if not ps.is_pipeline_last_stage():
+            return logits  # hidden states travelling to the next stage
+        temperature = self.cfg.rollout.sampling.temperature or 1.0
+        logits = logits.float() / temperature
+        # [b, S, V/tp] -> -log p(target): Megatron's vocab-parallel cross-entropy handles TP
+        return -tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(),
+                                                             mb.targets.transpose(0, 1).contiguous()).transpose(0, 1)
+
+    def _run(self, model, micro: list[TrainBatch], loss_fn, forward_only: bool) -> list[dict]:
+        it = iter(micro)
+
+        def forward_step(data_iterator, model_chunk):
+            mb = next(data_iterator)
+            return self._token_logprobs(model_chunk, mb), partial(loss_fn, mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=it, model=[model], num_microbatches=len(micro),
+            seq_length=micro[0].seq_len, micro_batch_size=len(micro[0]), forward_only=forward_only)
+
+    def _micro(self, shard: TrainBatch) -> list[TrainBatch]:
+        return shard.split(max(1, len(shard) // self.cfg.policy.micro_batch_size))
+
+    # ------------------------------------------------------------------ public API
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> dict | None:
+        """Current (and reference) policy log-probs of this rank's shard, on the output ranks."""
+        micro = self._micro(self._my_shard(batch))
+        collect = lambda mb, lp: (lp.sum() * 0, {"lp": lp.detach().float() * mb.mask})  # noqa: E731
+        self.model.eval()
+        out = {"dp_rank": ps.get_data_parallel_rank()}
+        res = self._run(self.model, micro, collect, forward_only=True)
+        if self._holds_outputs():
+            out["logprobs"] = torch.cat([r["lp"] for r in res])
+        if self.ref_model is not None:
+            res = self._run(self.ref_model, micro, collect, forward_only=True)
+            if self._holds_outputs():
+                out["ref_logprobs"] = torch.cat([r["lp"] for r in res])
+        self.model.train()
+        return out if self._holds_outputs() else None
+
+    def train_step(self, batch: TrainBatch) -> dict | None:
+        """One GRPO optimizer step on the whole batch (old/ref log-probs filled in by the driver)."""
+        g = self.cfg.grpo
+        num_tokens = batch.mask.sum().item()
+        num_seqs = float(len(batch))
+        shard = self._my_shard(batch)
+        micro = self._micro(shard)
+        scale = len(micro) * ps.get_data_parallel_world_size()  # undo Megatron's per-microbatch and DP averaging
+
+        def loss_fn(mb, logp):
+            adv = mb.advantages[:, None].expand_as(logp)
+            tok_loss, info = grpo_token_losses(logp, mb.old_logprobs, adv, g.clip_eps_low, g.clip_eps_high,
+                                               ref_logp=mb.ref_logprobs, kl_coef=g.kl_coef)
+            loss = aggregate(tok_loss, mb.mask, g.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
+            m = mb.mask
+            stats = {"loss": loss.detach() * 1.0, "clip_frac": (info["clipped"] * m).sum() / num_tokens,
+                     "ratio_max": (info["ratio"] * m).max()}
+            if "kl_ref" in info:
+                stats["kl_ref"] = (info["kl_ref"] * m).sum() / num_tokens
+            return loss * scale, stats
+
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        res = self._run(self.model, micro, loss_fn, forward_only=False)
+        grad_norm = self._clip_and_step(self.cfg.policy.optimizer.clip_grad)
+        self.steps_done += 1
+        metrics = {"grad_norm": grad_norm}
+        if ps.is_pipeline_last_stage():
+            for k in res[0]:
+                vals = torch.stack([r[k] for r in res])
+                metrics[k] = (vals.max() if k.endswith("_max") else vals.sum()).item()
+        metrics = self._reduce_over_dp(metrics)
+        return metrics if self._holds_outputs() and ps.get_data_parallel_rank() == 0 else None
+
+    def _reduce_over_dp(self, metrics: dict) -> dict:
+        if ps.get_data_parallel_world_size() == 1 or not ps.is_pipeline_last_stage():
+            return metrics
+        keys = sorted(k for k in metrics if k != "grad_norm")
+        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+        sums = t.clone()
+        dist.all_reduce(sums, group=ps.get_data_parallel_group())
+        maxs = t.clone()
+        dist.all_reduce(maxs, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        for i, k in enumerate(keys):
+            metrics[k] = (maxs if k.endswith("_max") else sums)[i].item()
+        return metrics
+
+    def _clip_and_step(self, max_norm: float) -> float:
+        """Global-norm clipping on CPU (Megatron's own asserts CUDA), then Megatron's optimizer step."""
+        opt = self.optimizer
+        opt.prepare_grads()
+        grad_norm = float(opt.get_grad_norm())
+        if max_norm > 0 and grad_norm > max_norm:
+            coef = max_norm / (grad_norm + 1e-6)
+            for p in opt.get_parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        if not opt.step_with_ready_grads():
+            raise RuntimeError("Megatron optimizer step failed")
+        return grad_norm
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    def full_policy_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole policy in Hugging Face names, assembled on global rank 0 (None elsewhere)."""
+        if ps.get_data_parallel_rank() != 0 or ps.get_context_parallel_rank() != 0:
+            return None
+        local = tensor_state(self.model.module)
+        tp_group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
+        if tp > 1:
+            gathered = [None] * tp
+            dist.all_gather_object(gathered, local, group=tp_group)
+            local = {k: convert.tp_gather(k, [g[k] for g in gathered]) for k in local}
+        stage = convert.from_local(local, layer_offset(self.model.module))
+        if ps.get_tensor_model_parallel_rank() != 0:
+            return None
+        pp_group, pp = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_world_size()
+        if pp > 1:
+            parts = [None] * pp
+            dist.all_gather_object(parts, stage, group=pp_group)
+            stage = {k: v for part in parts for k, v in part.items()}
+        if self.arch.tie_word_embeddings:
+            stage.pop("output_layer.weight", None)
+        return convert.megatron_to_hf(stage, self.arch) if self.rank == 0 else None
+
+    def export_policy(self, version: int, transport_name: str) -> dict | None:
+        """Publish the full policy through a weight transport; returns the handle on rank 0."""
+        state = self.full_policy_state()
+        if state is None:
+            return None
+        from cotrain.rl.weight_transport import make_transport
+
+        return make_transport(transport_name).send(state, version)
+
+    def save_checkpoint(self, directory: str) -> None:
+        from cotrain.rl.checkpoint import atomic_torch_save
+
+        atomic_torch_save({"model": tensor_state(self.model.module), "optimizer": self.optimizer.state_dict(),
+                           "steps_done": self.steps_done, "torch_rng": torch.get_rng_state(),
+                           "py_rng": random.getstate()},
+                          Path(directory) / f"trainer_rank{self.rank:04d}.pt")
+
+    def load_checkpoint(self, directory: str) -> None:
+        state = torch.load(Path(directory) / f"trainer_rank{self.rank:04d}.pt", weights_only=False)
+        missing, unexpected = self.model.module.load_state_dict(state["model"], strict=False)
+        missing = [m for m in missing if not m.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"checkpoint {directory} does not match the model: missing={missing} "
+                               f"unexpected={unexpected}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps_done = state["steps_done"]
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["py_rng"])
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
