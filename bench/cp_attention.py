@@ -5,9 +5,9 @@ anchors, exclusive context, full intra-block attention), GQA, fp32 on CPU over g
 
 - ours:     cotrain.parallel.cp_branch_attention on zigzag shards (bytes counted by RingComm).
 - baseline: the padded USP-style approach: every sequence padded to the longest (rounded to 2C),
-            zigzag-sharded, K/V all-gathered (torch.distributed.nn, differentiable), then dense masked
-            attention for the local main queries and for the local branch queries (their sequence's
-            gathered K/V plus their own block). Its bytes are the collective's nominal per-rank volume:
+            zigzag-sharded, K/V all-gathered (torch.distributed.nn, differentiable), then torch's
+            fused scaled_dot_product_attention with a boolean mask (native GQA) for the local main
+            queries and for the local branch queries (their sequence's gathered K/V plus their block). Its bytes are the collective's nominal per-rank volume:
             (C-1) x local K/V bytes for the all-gather, the same for its backward (all-to-all on gloo,
             reduce-scatter on NCCL).
 
@@ -168,18 +168,15 @@ class Padded:
         kv = torch.stack([self.k, self.v])  # (2, S, Lq, Hk, D)
         if self.C > 1:
             kv = torch.cat(all_gather(kv), dim=2)[:, :, self.inverse]  # (2, S, Lp, Hk, D) in position order
-        H, Hk = self.q.shape[2], self.k.shape[2]
-        scale = self.q.shape[-1] ** -0.5
-        K, V = (x.repeat_interleave(H // Hk, dim=2) for x in (kv[0], kv[1]))
-        s = torch.einsum("sqhd,skhd->shqk", self.q, K) * scale
-        s = s.masked_fill(~self.main_mask[:, None], float("-inf"))
-        out = torch.einsum("shqk,skhd->sqhd", s.softmax(-1), V)
+        # torch's fused CPU attention (SDPA with a boolean mask, native GQA): no S x S autograd tensors.
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        out = sdpa(self.q.transpose(1, 2), kv[0].transpose(1, 2), kv[1].transpose(1, 2),
+                   attn_mask=self.main_mask[:, None], enable_gqa=True).transpose(1, 2)
         # Branches: their sequence's gathered K/V plus their own block.
-        bK = torch.cat([K[self.b_seq], self.bk.repeat_interleave(H // Hk, dim=2)], 1)
-        bV = torch.cat([V[self.b_seq], self.bv.repeat_interleave(H // Hk, dim=2)], 1)
-        bs = torch.einsum("nqhd,nkhd->nhqk", self.bq, bK) * scale
-        bs = bs.masked_fill(~self.branch_mask[:, None, None, :], float("-inf"))
-        bout = torch.einsum("nhqk,nkhd->nqhd", bs.softmax(-1), bV)
+        bK = torch.cat([kv[0][self.b_seq], self.bk], 1)
+        bV = torch.cat([kv[1][self.b_seq], self.bv], 1)
+        bout = sdpa(self.bq.transpose(1, 2), bK.transpose(1, 2), bV.transpose(1, 2),
+                    attn_mask=self.branch_mask[:, None, None, :], enable_gqa=True).transpose(1, 2)
         ((out * self.w).sum() + (bout * self.bw).sum()).backward()
         return out.detach(), bout.detach()
 
@@ -187,7 +184,8 @@ class Padded:
 # ----- per rank -------------------------------------------------------------------------------------------
 
 def _timed(fn, iters, warmup, show):
-    times = []
+    """(median wall seconds, median CPU seconds of this process) per call, after warmup."""
+    times, cpu = [], []
     rng = range(warmup + iters)
     if show:
         from tqdm import tqdm
@@ -195,12 +193,14 @@ def _timed(fn, iters, warmup, show):
         rng = tqdm(rng, desc="  iterations", leave=False)
     for i in rng:
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
+        c1 = time.process_time()
         dist.barrier()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            cpu.append(c1 - c0)
+    return statistics.median(times), statistics.median(cpu)
 
 
 def rank_main(rank, cp_size, port, args, outdir):
@@ -220,7 +220,7 @@ def rank_main(rank, cp_size, port, args, outdir):
     before = _reset_peak()
     out, bout = ours_step(layout, local, w)
     result["ours_peak"] = _peak_since(before)
-    result["ours_time"] = _timed(lambda: ours_step(layout, local, w), args.iters, args.warmup, rank == 0 and args.progress)
+    result["ours_time"], result["ours_cpu"] = _timed(lambda: ours_step(layout, local, w), args.iters, args.warmup, rank == 0 and args.progress)
 
     # padded baseline
     pad = Padded(layout, tensors, weights, rank, cp_size)
@@ -228,7 +228,7 @@ def rank_main(rank, cp_size, port, args, outdir):
     before = _reset_peak()
     pout, pbout = pad.step()
     result["pad_peak"] = _peak_since(before)
-    result["pad_time"] = _timed(pad.step, args.iters, args.warmup, rank == 0 and args.progress)
+    result["pad_time"], result["pad_cpu"] = _timed(pad.step, args.iters, args.warmup, rank == 0 and args.progress)
     result["pad_bytes"] = pad.bytes_per_rank()
     S, Lq = pad.q.shape[:2]
     result["pad_pairs"] = S * Lq * pad.Lp + pad.nb * pad.B * (pad.Lp + pad.B)
@@ -274,11 +274,13 @@ def summarize(cp_size: int, ranks: list[dict]) -> dict:
     row = {"cp": cp_size}
     for m in ("ours", "pad"):
         row[f"{m}_time_s"] = max(r[f"{m}_time"] for r in ranks)
+        row[f"{m}_cpu_s"] = max(r[f"{m}_cpu"] for r in ranks)
         row[f"{m}_peak_mem_bytes"] = max(r[f"{m}_peak"] for r in ranks)
         row[f"{m}_bytes_fwd"] = max(r[f"{m}_bytes"][0] for r in ranks)
         row[f"{m}_bytes_bwd"] = max(r[f"{m}_bytes"][1] for r in ranks)
         row[f"{m}_pairs_max"] = max(r[f"{m}_pairs"] for r in ranks)
     row["ratio_time"] = row["ours_time_s"] / row["pad_time_s"]
+    row["ratio_cpu"] = row["ours_cpu_s"] / row["pad_cpu_s"]
     row["ratio_peak_mem"] = row["ours_peak_mem_bytes"] / max(1, row["pad_peak_mem_bytes"])
     tot_o = row["ours_bytes_fwd"] + row["ours_bytes_bwd"]
     tot_p = row["pad_bytes_fwd"] + row["pad_bytes_bwd"]
@@ -299,7 +301,7 @@ def plot(rows, path: Path):
     cps = [r["cp"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     panels = [
-        ("fwd+bwd time per step (s)", "time_s", 1.0),
+        ("fwd+bwd wall time per step (s)", "time_s", 1.0),
         ("peak memory per rank (MiB)", "peak_mem_bytes", 1 / 2**20),
         ("bytes sent per rank, fwd+bwd (MiB)", None, 1 / 2**20),
     ]
@@ -332,7 +334,7 @@ def main():
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--iters", type=int, default=7)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
@@ -352,12 +354,12 @@ def main():
         rows.append(summarize(cp, run_cp(cp, args)))
 
     table = Table(title="ours / padded all-gather, measured in the same run")
-    for col in ("CP", "time ours (ms)", "time pad (ms)", "time ratio", "peak ours (MiB)", "peak pad (MiB)",
+    for col in ("CP", "time ours (ms)", "time pad (ms)", "time ratio", "cpu ratio", "peak ours (MiB)", "peak pad (MiB)",
                 "mem ratio", "bytes ours (KiB)", "bytes pad (KiB)", "bytes ratio", "max |diff|"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
-            str(r["cp"]), f"{r['ours_time_s'] * 1e3:.1f}", f"{r['pad_time_s'] * 1e3:.1f}", f"{r['ratio_time']:.2f}",
+            str(r["cp"]), f"{r['ours_time_s'] * 1e3:.1f}", f"{r['pad_time_s'] * 1e3:.1f}", f"{r['ratio_time']:.2f}", f"{r['ratio_cpu']:.2f}",
             f"{r['ours_peak_mem_bytes'] / 2**20:.1f}", f"{r['pad_peak_mem_bytes'] / 2**20:.1f}", f"{r['ratio_peak_mem']:.2f}",
             f"{(r['ours_bytes_fwd'] + r['ours_bytes_bwd']) / 1024:.0f}", f"{(r['pad_bytes_fwd'] + r['pad_bytes_bwd']) / 1024:.0f}",
             "-" if r["ratio_bytes_total"] is None else f"{r['ratio_bytes_total']:.2f}", f"{r['max_diff_vs_baseline']:.1e}",

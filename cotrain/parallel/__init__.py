@@ -10,7 +10,14 @@
 
 from cotrain.parallel.branch_attention import CPStats, cp_branch_attention, ring_plan
 from cotrain.parallel.dense import branch_attention_mask, dense_branch_attention
-from cotrain.parallel.kernels import BlockKernel, BlockMask, FlashVarlenBlockKernel, TorchBlockKernel, default_kernel
+from cotrain.parallel.kernels import (
+    BlockKernel,
+    BlockMask,
+    CpuFusedBlockKernel,
+    FlashVarlenBlockKernel,
+    TorchBlockKernel,
+    default_kernel,
+)
 from cotrain.parallel.layout import (
     BranchLayout,
     cu_seqlens_from_lengths,
@@ -32,7 +39,7 @@ from cotrain.parallel.zigzag import (
 )
 
 __all__ = [
-    "BlockKernel", "BlockMask", "BranchLayout", "CPStats", "FlashVarlenBlockKernel", "RingComm",
+    "BlockKernel", "BlockMask", "BranchLayout", "CPStats", "CpuFusedBlockKernel", "FlashVarlenBlockKernel", "RingComm",
     "TorchBlockKernel", "anchor_owner", "branch_attention_mask", "cp_branch_attention",
     "cu_seqlens_from_lengths", "default_kernel", "dense_branch_attention", "dflash_layout",
     "dspark_layout", "eagle3_ttt_layout", "merge_lse", "merge_lse_", "padded_seqlens", "ring_plan",

@@ -19,8 +19,11 @@ and tiles that share query rows are merged by cotrain.parallel.lse. Backward, gi
 (the dlse term makes the LSE output differentiable: d lse_i / d S_ij = P_ij). Grouped-query
 attention: query head h uses K/V head h // (H / Hk); dk, dv sum over the heads of a group.
 
-TorchBlockKernel runs anywhere. FlashVarlenBlockKernel hands full and causal tiles to flash-attn's
-varlen kernel (CUDA, fp16/bf16, dlse = 0) and every other tile to the torch kernel.
+Kernels: TorchBlockKernel (plain torch, any device, the reference); CpuFusedBlockKernel (the
+default on CPU: torch's fused CPU flash-attention op for full and causal tiles); FlashVarlenBlockKernel
+(the default on CUDA when flash-attn imports: its varlen kernel for full and causal tiles, fp16/bf16).
+The fused ones hand "masked" tiles, and backward passes with a non-zero LSE gradient, to the torch
+kernel.
 """
 
 from __future__ import annotations
@@ -170,12 +173,110 @@ class TorchBlockKernel:
         return dq, dk, dv
 
 
-class FlashVarlenBlockKernel:
-    """flash-attn's varlen kernel for full and causal tiles; the torch kernel for the rest.
+class _FusedTileKernel:
+    """Dispatch shared by the fused kernels: full and causal tiles go to a fused attention op that
+    returns (out, lse) and whose backward takes the rows' final (out, lse); "masked" tiles, inputs the
+    op cannot take, and LSE gradients (the fused backward has no dlse input) go to TorchBlockKernel."""
 
-    Every flash-eligible tile becomes one varlen "sequence" (its query rows and key rows gathered),
-    so one flash call per tile kind covers a whole block. Needs CUDA, fp16/bf16 inputs and no LSE
-    gradient; otherwise (or for fp32) it defers to the torch kernel entirely.
+    def __init__(self) -> None:
+        self._torch = TorchBlockKernel()
+
+    def _usable(self, q: torch.Tensor) -> bool:
+        raise NotImplementedError
+
+    def _fused_forward(self, q, k, v, mask: BlockMask, tiles: list[Tile], scale: float, out, lse) -> None:
+        raise NotImplementedError
+
+    def _fused_backward(self, dout, q, k, v, out, lse, mask: BlockMask, tiles: list[Tile], scale: float, dq, dk, dv) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _split(mask: BlockMask) -> tuple[list[Tile], BlockMask]:
+        fused = [t for t in mask.tiles if t.kind in (FULL, CAUSAL)]
+        rest = [t for t in mask.tiles if t.kind not in (FULL, CAUSAL)]
+        return fused, BlockMask(rest, mask.q_seg, mask.q_lo, mask.q_hi, mask.k_seg, mask.k_pos, mask.window)
+
+    def forward(self, q, k, v, mask: BlockMask, scale: float):
+        if not self._usable(q):
+            return self._torch.forward(q, k, v, mask, scale)
+        fused, rest = self._split(mask)
+        out, lse = self._torch.forward(q, k, v, rest, scale)
+        if fused:
+            self._fused_forward(q, k, v, mask, fused, scale, out, lse)
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, mask: BlockMask, scale: float, dlse=None):
+        if not self._usable(q) or (dlse is not None and bool(dlse.any())):
+            return self._torch.backward(dout, q, k, v, out, lse, mask, scale, dlse)
+        fused, rest = self._split(mask)
+        dq, dk, dv = self._torch.backward(dout, q, k, v, out, lse, rest, scale)
+        if fused:
+            self._fused_backward(dout, q, k, v, out, lse, mask, fused, scale, dq, dk, dv)
+        return dq, dk, dv
+
+
+def _window_bias(n: int, window: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive mask of a square diagonal tile under a sliding window: 0 where i - window < j <= i."""
+    i = torch.arange(n, device=device)
+    ok = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+    return torch.zeros(n, n, dtype=dtype, device=device).masked_fill_(~ok, float("-inf"))
+
+
+class CpuFusedBlockKernel(_FusedTileKernel):
+    """torch's fused CPU flash-attention op (the one behind scaled_dot_product_attention on CPU),
+    which also returns the LSE, for full and causal tiles; TorchBlockKernel for the rest."""
+
+    _fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    _bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+    def _usable(self, q):
+        return self._fwd is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+
+    @staticmethod
+    def _bhsd(x: torch.Tensor, groups: int = 1) -> torch.Tensor:
+        """(n, heads, D) -> (1, heads * groups, n, D), K/V heads repeated for grouped-query attention."""
+        if groups > 1:
+            x = x.repeat_interleave(groups, dim=1)
+        return x.transpose(0, 1).unsqueeze(0)
+
+    def _bias(self, tile: Tile, mask: BlockMask, dtype) -> Optional[torch.Tensor]:
+        if tile.kind == CAUSAL and mask.window is not None:
+            return _window_bias(tile.q1 - tile.q0, mask.window, dtype, "cpu")
+        return None
+
+    def _fused_forward(self, q, k, v, mask, tiles, scale, out, lse):
+        g = q.shape[1] // k.shape[1]
+        for t in tiles:
+            bias = self._bias(t, mask, q.dtype)
+            o, l = self._fwd(
+                self._bhsd(q[t.q0 : t.q1]), self._bhsd(k[t.k0 : t.k1], g), self._bhsd(v[t.k0 : t.k1], g),
+                0.0, t.kind == CAUSAL and bias is None, attn_mask=bias, scale=scale,
+            )
+            rows = slice(t.q0, t.q1)
+            merge_lse_(out[rows], lse[rows], o[0].transpose(0, 1).float(), l[0].transpose(0, 1).float())
+
+    def _fused_backward(self, dout, q, k, v, out, lse, mask, tiles, scale, dq, dk, dv):
+        hk = k.shape[1]
+        g = q.shape[1] // hk
+        for t in tiles:
+            rows, cols = slice(t.q0, t.q1), slice(t.k0, t.k1)
+            bias = self._bias(t, mask, q.dtype)
+            gq, gk, gv = self._bwd(
+                self._bhsd(dout[rows].to(q.dtype)), self._bhsd(q[rows]), self._bhsd(k[cols], g), self._bhsd(v[cols], g),
+                self._bhsd(out[rows].to(q.dtype)), lse[rows].transpose(0, 1).unsqueeze(0).contiguous(),
+                0.0, t.kind == CAUSAL and bias is None, attn_mask=bias, scale=scale,
+            )
+            m = t.k1 - t.k0
+            dq[rows] += gq[0].transpose(0, 1).float()
+            dk[cols] += gk[0].reshape(hk, g, m, -1).sum(1).transpose(0, 1).float()
+            dv[cols] += gv[0].reshape(hk, g, m, -1).sum(1).transpose(0, 1).float()
+
+
+class FlashVarlenBlockKernel(_FusedTileKernel):
+    """flash-attn's varlen kernel (CUDA, fp16/bf16) for full and causal tiles; torch for the rest.
+
+    Every eligible tile becomes one varlen "sequence" (its query rows and key rows gathered), so one
+    flash call per tile kind covers a whole block.
     NOTE: written against flash-attn 2.x's varlen interface; not exercised in CPU-only CI.
     """
 
@@ -183,11 +284,18 @@ class FlashVarlenBlockKernel:
         from flash_attn import flash_attn_varlen_func  # noqa: F401  (fails early if absent)
         from flash_attn.flash_attn_interface import _flash_attn_varlen_backward  # noqa: F401
 
-        self._torch = TorchBlockKernel()
+        super().__init__()
+
+    def _usable(self, q):
+        return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
     @staticmethod
-    def _usable(q: torch.Tensor) -> bool:
-        return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    def _groups(mask: BlockMask, tiles: list[Tile]):
+        window = (-1, -1) if mask.window is None else (mask.window - 1, 0)
+        for kind in (FULL, CAUSAL):
+            group = [t for t in tiles if t.kind == kind]
+            if group:
+                yield group, kind == CAUSAL, window if kind == CAUSAL else (-1, -1)
 
     @staticmethod
     def _gather(tiles: list[Tile], device):
@@ -195,50 +303,28 @@ class FlashVarlenBlockKernel:
         ki = torch.cat([torch.arange(t.k0, t.k1) for t in tiles]).to(device)
         cq = torch.tensor([0] + [t.q1 - t.q0 for t in tiles], device=device).cumsum(0).to(torch.int32)
         ck = torch.tensor([0] + [t.k1 - t.k0 for t in tiles], device=device).cumsum(0).to(torch.int32)
-        mq = max(t.q1 - t.q0 for t in tiles)
-        mk = max(t.k1 - t.k0 for t in tiles)
-        return qi, ki, cq, ck, mq, mk
+        return qi, ki, cq, ck, max(t.q1 - t.q0 for t in tiles), max(t.k1 - t.k0 for t in tiles)
 
-    def _groups(self, mask: BlockMask):
-        flash = {FULL: [], CAUSAL: []}
-        rest = []
-        for t in mask.tiles:
-            (flash[t.kind] if t.kind in flash else rest).append(t)
-        window = (-1, -1) if mask.window is None else (mask.window - 1, 0)
-        return [(tiles, kind == CAUSAL, window if kind == CAUSAL else (-1, -1)) for kind, tiles in flash.items() if tiles], rest
-
-    def forward(self, q, k, v, mask: BlockMask, scale: float):
-        if not self._usable(q):
-            return self._torch.forward(q, k, v, mask, scale)
+    def _fused_forward(self, q, k, v, mask, tiles, scale, out, lse):
         from flash_attn import flash_attn_varlen_func
 
-        groups, rest = self._groups(mask)
-        out, lse = self._torch.forward(q, k, v, BlockMask(rest, mask.q_seg, mask.q_lo, mask.q_hi, mask.k_seg, mask.k_pos, mask.window), scale)
-        for tiles, causal, window in groups:
-            qi, ki, cq, ck, mq, mk = self._gather(tiles, q.device)
+        for group, causal, window in self._groups(mask, tiles):
+            qi, ki, cq, ck, mq, mk = self._gather(group, q.device)
             o, l, _ = flash_attn_varlen_func(
                 q[qi], k[ki], v[ki], cq, ck, mq, mk, dropout_p=0.0, softmax_scale=scale, causal=causal,
                 window_size=window, return_attn_probs=True,
             )
-            # Tiles of one group may share query rows: merge them one tile at a time.
             l = l.transpose(0, 1).float()  # (total_q, H)
-            for idx, t in enumerate(tiles):
+            # Tiles of one group may share query rows: merge them one tile at a time.
+            for idx, t in enumerate(group):
                 a, b = int(cq[idx]), int(cq[idx + 1])
                 merge_lse_(out[t.q0 : t.q1], lse[t.q0 : t.q1], o[a:b].float(), l[a:b])
-        return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, mask: BlockMask, scale: float, dlse=None):
-        if not self._usable(q) or (dlse is not None and bool(dlse.any())):
-            return self._torch.backward(dout, q, k, v, out, lse, mask, scale, dlse)
+    def _fused_backward(self, dout, q, k, v, out, lse, mask, tiles, scale, dq, dk, dv):
         from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
 
-        groups, rest = self._groups(mask)
-        dq, dk, dv = self._torch.backward(
-            dout, q, k, v, out, lse,
-            BlockMask(rest, mask.q_seg, mask.q_lo, mask.q_hi, mask.k_seg, mask.k_pos, mask.window), scale,
-        )
-        for tiles, causal, window in groups:
-            qi, ki, cq, ck, mq, mk = self._gather(tiles, q.device)
+        for group, causal, window in self._groups(mask, tiles):
+            qi, ki, cq, ck, mq, mk = self._gather(group, q.device)
             qg, kg, vg = q[qi], k[ki], v[ki]
             dqg, dkg, dvg = torch.empty_like(qg), torch.empty_like(kg), torch.empty_like(vg)
             _flash_attn_varlen_backward(
@@ -248,14 +334,16 @@ class FlashVarlenBlockKernel:
             dq.index_add_(0, qi, dqg.float())
             dk.index_add_(0, ki, dkg.float())
             dv.index_add_(0, ki, dvg.float())
-        return dq, dk, dv
 
 
 def default_kernel(device: torch.device | str | None = None) -> BlockKernel:
-    """flash-attn's kernel on CUDA when it imports, the torch kernel otherwise."""
-    if device is not None and torch.device(device).type == "cuda":
+    """flash-attn on CUDA when it imports; torch's fused CPU op on CPU; the plain torch kernel otherwise."""
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cuda":
         try:
             return FlashVarlenBlockKernel()
         except ImportError:
-            pass
+            return TorchBlockKernel()
+    if device.type == "cpu" and CpuFusedBlockKernel._fwd is not None:
+        return CpuFusedBlockKernel()
     return TorchBlockKernel()

@@ -16,6 +16,7 @@ import torch
 from cotrain.parallel import (
     BranchLayout,
     CPStats,
+    TorchBlockKernel,
     cp_branch_attention,
     cu_seqlens_from_lengths,
     dense_branch_attention,
@@ -40,6 +41,8 @@ class Case:
     max_tile: int = 1024
     seqlens: tuple[int, ...] = tuple(UNEVEN)
     seed: int = 0
+    lse_grad: bool = True  # False: the loss ignores the LSEs, so the fused kernels run the backward too
+    kernel: str = "default"  # or "torch": the plain TorchBlockKernel for every tile
 
 
 CASES = [
@@ -52,8 +55,12 @@ CASES = [
     Case("dflash_mha_tiles", "dflash", heads=(2, 2), max_tile=3),
     Case("dspark", "dspark", seed=3),
     Case("custom_inclusive_full_window", "custom", window=3, seed=5),
+    Case("main_window_fused_bwd", "main", window=5, lse_grad=False, max_tile=6),
+    Case("dflash_fused_bwd", "dflash", lse_grad=False, seed=4),
+    Case("eagle3_torch_kernel", "eagle3", window=4, kernel="torch", max_tile=6, seed=6),
     Case("bf16_dflash", "dflash", dtype="bfloat16", seed=1),
     Case("bf16_eagle3_window", "eagle3", window=6, dtype="bfloat16", seed=2),
+    Case("bf16_main_fused_bwd", "main", dtype="bfloat16", lse_grad=False, seed=3),
 ]
 
 HEAD_DIM = 8
@@ -101,6 +108,9 @@ def make_inputs(case: Case, layout: BranchLayout):
         torch.randn(NBt, H, HEAD_DIM, generator=g, dtype=torch.float64),
         torch.randn(NBt, H, generator=g, dtype=torch.float64),
     ]
+    if not case.lse_grad:
+        weights[1].zero_()
+        weights[3].zero_()
     return tensors, weights
 
 
@@ -138,7 +148,8 @@ def run_case(case: Case, rank: int, cp_size: int, group=None) -> dict:
     local += [shard_branches(t, layout, rank).to(dtype) for t in (bq, bk, bv)]
     local = [t.requires_grad_() for t in local]
     stats = CPStats()
-    out = cp_branch_attention(*local, layout, group, stats=stats, max_tile=case.max_tile)
+    kernel = TorchBlockKernel() if case.kernel == "torch" else None
+    out = cp_branch_attention(*local, layout, group, stats=stats, max_tile=case.max_tile, kernel=kernel)
     local_w = [main_shard(w_out, gpad), main_shard(w_lse, gpad),
                shard_branches(w_bout, layout, rank), shard_branches(w_blse, layout, rank)]
     sum((o.double() * w).sum() for o, w in zip(out, local_w)).backward()

@@ -244,3 +244,30 @@ def test_cuda_cp1_matches_dense_with_default_kernel():
     got = cp_branch_attention(*[t.cuda().bfloat16() for t in ts], layout)
     for a, b in zip(got, ref):
         assert torch.allclose(a.double().cpu(), b, atol=2.5e-2, rtol=2.5e-2)
+
+
+# ----- kernels: the fused CPU kernel against the plain torch kernel, tile kind by tile kind ----------------
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_fused_kernel_matches_torch_kernel(window, dtype):
+    from cotrain.parallel.kernels import CAUSAL, FULL, MASKED, BlockMask, CpuFusedBlockKernel, Tile, TorchBlockKernel
+
+    g = torch.Generator().manual_seed(0)
+    n = 12  # queries 0..11 and keys 0..11 at positions 0..11 of one sequence, plus 6 earlier keys
+    pos = torch.arange(n)
+    k_pos = torch.cat([pos, torch.arange(-6, 0)]) + 6
+    q_hi = pos + 6
+    q_lo = q_hi - (window - 1) if window else torch.zeros(n, dtype=torch.int64)
+    tiles = [Tile(0, n, 0, n, CAUSAL), Tile(0, n, n, n + 6, FULL if window is None else MASKED), Tile(3, 7, 0, 4, MASKED)]
+    mask = BlockMask(tiles, torch.zeros(n, dtype=torch.int64), q_lo, q_hi, torch.zeros(n + 6, dtype=torch.int64), k_pos, window)
+    q = torch.randn(n, 4, 8, generator=g).to(dtype)
+    k, v = (torch.randn(n + 6, 2, 8, generator=g).to(dtype) for _ in range(2))
+    ref, fused = TorchBlockKernel(), CpuFusedBlockKernel()
+    out_r, lse_r = ref.forward(q, k, v, mask, 0.3)
+    out_f, lse_f = fused.forward(q, k, v, mask, 0.3)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(out_f, out_r, atol=tol) and torch.allclose(lse_f, lse_r, atol=tol)
+    dout = torch.randn(out_r.shape, generator=g)
+    for a, b in zip(fused.backward(dout, q, k, v, out_r, lse_r, mask, 0.3), ref.backward(dout, q, k, v, out_r, lse_r, mask, 0.3)):
+        assert torch.allclose(a, b, atol=tol * 4), float((a - b).abs().max())
