@@ -1,0 +1,233 @@
+"""``gloo`` / ``nccl``: point-to-point sends on a dedicated process group, into a mailbox on the reader.
+
+The channel creates the group with ``dist.new_group`` over the pipeline's ranks (gloo, or nccl for the
+``nccl`` transport): never Megatron's pipeline group, so these messages cannot interleave with, or
+deadlock against, the 1F1B schedule's own sends.
+
+Writer: per tap write, ``isend`` of a header ``[seq, tap, ntok]`` then ``isend`` of the ``ntok`` rows
+(both tagged; gloo matches by tag and keeps FIFO order per peer). Sends complete only when the reader
+has posted the matching receive (gloo rendezvous), so a writer keeps at most ``slots`` writes per tap
+in flight: before posting ``seq`` it waits for the sends of ``seq - slots``.
+
+Reader: one mailbox thread per source rank receives that rank's headers in order, waits until the
+named slot is released (back-pressure: the writer's send simply stays pending), receives the rows
+straight into the slot, then stores the stamp - the same slot/stamp protocol as the other transports,
+in the reader's own memory. The threads only post receives for the microbatches of the current step
+(``begin_step``), so an idle channel between steps has nothing pending. A source that dies closes its
+TCP pair; the thread's receive fails and the reader's wait raises ``TapSourceDeadError``.
+
+With ``nccl`` (untested here, no GPU): tensors live on the current CUDA device, receives are followed
+by a stream synchronisation before the stamp, and a second communicator runs next to Megatron's - keep
+NCCL's usual caveats about concurrent communicators in mind.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from cotrain.tapchannel.errors import TapError, TapLappedError, TapReaderDeadError, TapSpecMismatchError, TapTimeoutError
+from cotrain.tapchannel.interfaces import TapTransport, TransportContext
+from cotrain.tapchannel.mailbox import Mailbox, control_words
+from cotrain.tapchannel.spec import CODE_DTYPES, TapSpec, dtype_code
+
+HEADER_TAG = 0x7A01
+DATA_TAG = 0x7A02
+
+
+class _Receiver(threading.Thread):
+    """Reader-side mailbox thread for one source rank."""
+
+    def __init__(self, transport: "GlooTransport", src: int):
+        super().__init__(name=f"tapchannel-recv-{src}", daemon=True)
+        self.tr, self.src = transport, src
+        self.cond = threading.Condition()
+        self.pending = 0
+        self.next_seq: dict[int, int] = {}
+        self.stopped = False
+        self.error: BaseException | None = None
+
+    def expect(self, first_seq: int, count: int, taps: list[int]) -> None:
+        with self.cond:
+            self.pending += count * len(taps)
+            for t in taps:
+                self.next_seq[t] = first_seq
+            self.cond.notify()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify()
+
+    def reason(self) -> str | BaseException | None:
+        if self.error is None:
+            return None
+        if isinstance(self.error, TapError):  # a protocol error: raise it as it is on the reader
+            return self.error
+        return f"mailbox thread for rank {self.src} failed: {type(self.error).__name__}: {str(self.error).splitlines()[0][:300]}"
+
+    def run(self) -> None:
+        tr, ctx = self.tr, self.tr.ctx
+        if tr.device.type == "cuda":
+            torch.cuda.set_device(tr.device)
+        hdr = torch.zeros(3, dtype=torch.int64, device=tr.device)
+        mine = {t for t, s in enumerate(ctx.taps) if s.rank == self.src}
+        try:
+            while True:
+                with self.cond:
+                    while self.pending == 0 and not self.stopped:
+                        self.cond.wait()
+                    if self.stopped:
+                        return
+                    self.pending -= 1
+                dist.irecv(hdr, src=self.src, group=ctx.data_group, tag=HEADER_TAG).wait()
+                tr._sync()
+                seq, t, n = (int(v) for v in hdr.tolist())
+                if t not in mine or not 0 <= n <= ctx.max_tokens:
+                    raise TapSpecMismatchError(f"bad tap header from rank {self.src}: seq {seq}, tap {t}, ntok {n}")
+                mb = tr.mailbox
+                with self.cond:
+                    want = self.next_seq.get(t, seq)
+                    self.next_seq[t] = seq + 1
+                if seq != want:  # per tap, sources write microbatches in order
+                    spec = ctx.taps[t]
+                    raise TapLappedError(
+                        "the source sent a microbatch out of order: "
+                        + ("it is ahead of the reader (skipped, or its step numbering is ahead)" if seq > want else "stale"),
+                        layer=spec.layer, rank=self.src, slot=mb.slot(want), expected=want + 1, seen=seq + 1)
+                mb.check_writable(t, seq)
+                mb.wait_free(t, seq, None, dead=lambda: "channel closed" if self.stopped else None)
+                if n:
+                    dist.irecv(mb.data[t][mb.slot(seq), :n], src=self.src, group=ctx.data_group, tag=DATA_TAG).wait()
+                    tr._sync()
+                mb.publish(t, seq, n)
+        except BaseException as e:  # reported to the reader through its liveness probe
+            self.error = e
+
+
+class GlooTransport(TapTransport):
+    name = "gloo"
+    data_backend = "gloo"
+
+    def __init__(self):
+        self.ctx: TransportContext | None = None
+        self.mailbox: Mailbox | None = None
+        self.device = torch.device("cpu")
+        self._geometry: list[tuple[int, int, int]] | None = None
+        self._receivers: dict[int, _Receiver] = {}
+        self._taps_of_rank: dict[int, list[int]] = {}
+        self._inflight: dict[int, deque] = {}
+
+    def _pick_device(self, ctx: TransportContext) -> torch.device:
+        return torch.device("cpu")
+
+    def _sync(self) -> None:
+        pass
+
+    def setup(self, ctx: TransportContext) -> None:
+        self.ctx = ctx
+        self.device = self._pick_device(ctx)
+        if ctx.data_group is None:
+            raise RuntimeError(f"transport {self.name!r} needs a dedicated data group")
+        geometry = None
+        if ctx.is_reader:
+            ctrl = np.zeros(control_words(len(ctx.taps), ctx.slots), dtype=np.int64)
+            data = [torch.zeros(ctx.slots, ctx.max_tokens, s.width, dtype=s.dtype, device=self.device) for s in ctx.taps]
+            self.mailbox = Mailbox(ctrl, data, ctx.taps, ctx.slots, ctx.max_tokens, ctx.layout.reader_rank, ctx.liveness)
+            self.mailbox.format()
+            geometry = [(s.layer, s.width, dtype_code(s.dtype)) for s in ctx.taps]
+            for t, s in enumerate(ctx.taps):
+                self._taps_of_rank.setdefault(s.rank, []).append(t)
+            for src in sorted(self._taps_of_rank):
+                rcv = _Receiver(self, src)
+                self._receivers[src] = rcv
+                ctx.liveness.probes[src] = rcv.reason
+                rcv.start()
+        obj = [geometry]
+        dist.broadcast_object_list(obj, src=ctx.layout.reader_rank, group=ctx.control_group)
+        self._geometry = obj[0]
+        self._inflight = {t: deque() for t in ctx.my_taps()}
+
+    def register_writer(self, t: int, spec: TapSpec) -> None:
+        layer, width, code = self._geometry[t]
+        if (spec.layer, spec.width, dtype_code(spec.dtype)) != (layer, width, code):
+            raise TapSpecMismatchError(
+                f"writer for tap layer {spec.layer} registers width {spec.width}, dtype {spec.dtype}; the reader's "
+                f"slot {t} holds layer {layer}, width {width}, dtype {CODE_DTYPES[code]}")
+
+    def begin_step(self, first_seq: int, count: int) -> None:
+        for src, rcv in self._receivers.items():
+            rcv.expect(first_seq, count, self._taps_of_rank[src])
+
+    def _drain(self, t: int, upto_seq: int, deadline: float | None) -> float:
+        q = self._inflight[t]
+        t0 = time.monotonic()
+        while q and q[0][0] <= upto_seq:
+            seq, works, _keep = q.popleft()
+            for w in works:
+                left = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
+                try:
+                    w.wait() if left is None else w.wait(timeout=timedelta(seconds=left))
+                except RuntimeError as e:
+                    spec = self.ctx.taps[t]
+                    kw = dict(layer=spec.layer, rank=spec.rank, slot=seq % self.ctx.slots, expected=seq + 1, seen=-1)
+                    if "timed out" in str(e).lower():
+                        raise TapTimeoutError(f"writer's send to reader rank {self.ctx.layout.reader_rank} did not "
+                                              f"complete in time (reader not releasing slots?): {e}", **kw) from e
+                    raise TapReaderDeadError(f"send to reader rank {self.ctx.layout.reader_rank} failed: {e}", **kw) from e
+        return time.monotonic() - t0
+
+    def write(self, t: int, seq: int, rows: torch.Tensor, deadline: float) -> float:
+        waited = self._drain(t, seq - self.ctx.slots, deadline)
+        rows = rows.to(self.device).contiguous()
+        n = rows.shape[0]
+        hdr = torch.tensor([seq, t, n], dtype=torch.int64, device=self.device)
+        g, dst = self.ctx.data_group, self.ctx.layout.reader_rank
+        works = [dist.isend(hdr, dst=dst, group=g, tag=HEADER_TAG)]
+        if n:
+            works.append(dist.isend(rows, dst=dst, group=g, tag=DATA_TAG))
+        self._inflight[t].append((seq, works, (hdr, rows)))  # keep the buffers alive until sent
+        return waited
+
+    def wait(self, t: int, seq: int, deadline: float) -> float:
+        return self.mailbox.wait_stamp(t, seq, deadline)
+
+    def read(self, t: int, seq: int, copy: bool = True) -> torch.Tensor:
+        return self.mailbox.read(t, seq, copy)
+
+    def release(self, t: int, seq: int) -> None:
+        self.mailbox.release(t, seq)
+
+    def flush(self, deadline: float | None) -> None:
+        for t in self._inflight:
+            self._drain(t, 1 << 62, deadline)
+
+    def close(self) -> None:
+        try:
+            if self.ctx is not None:
+                self.flush(time.monotonic() + self.ctx.timeout_s)
+        except TapError:
+            pass  # closing after a fault: the peer is gone or the channel already failed
+        finally:
+            for rcv in self._receivers.values():
+                rcv.stop()
+            self._receivers = {}
+
+
+class NcclTransport(GlooTransport):
+    name = "nccl"
+    data_backend = "nccl"
+
+    def _pick_device(self, ctx: TransportContext) -> torch.device:
+        if not torch.cuda.is_available():
+            raise RuntimeError("transport 'nccl' needs CUDA")
+        return ctx.device or torch.device("cuda", torch.cuda.current_device())
+
+    def _sync(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
