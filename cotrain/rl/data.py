@@ -61,24 +61,26 @@ def load_jsonl(path: str | Path, prompt_key: str = "prompt", answer_key: str = "
 
 
 class PromptStream:
-    """An endless, seeded, resumable stream of problems (reshuffled every epoch).
+    """An endless, seeded, resumable stream of problems (reshuffled every epoch unless ``shuffle=False``).
 
     ``state()``/``load_state()`` capture the position so a resumed run sees exactly the prompts an
     uninterrupted one would have seen.
     """
 
-    def __init__(self, problems: Sequence[Problem], seed: int):
+    def __init__(self, problems: Sequence[Problem], seed: int, shuffle: bool = True):
         if not problems:
             raise ValueError("PromptStream needs at least one problem")
         self.problems = list(problems)
         self.seed = seed
+        self.shuffle = shuffle
         self.epoch = 0
         self.pos = 0
         self._order = self._permutation(0)
 
     def _permutation(self, epoch: int) -> list[int]:
         order = list(range(len(self.problems)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
     def take(self, n: int) -> list[Problem]:
