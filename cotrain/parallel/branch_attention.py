@@ -93,6 +93,29 @@ def _window_lo(hi: int, window: Optional[int]) -> int:
     return 0 if window is None else hi - window + 1
 
 
+def _coalesce(tiles: list[Tile], max_tile: int) -> list[Tile]:
+    """Merge tiles of the same kind (full or masked) that share their rows and abut along keys, then
+    those that share their keys and abut along rows, up to max_tile: the union covers exactly the
+    same pairs, and fewer, larger tiles cost less dispatch. (Causal tiles stay diagonal.)"""
+
+    def merge(tiles, along_keys):
+        key = (lambda t: (t.q0, t.q1, t.k0)) if along_keys else (lambda t: (t.k0, t.k1, t.q0))
+        out: list[Tile] = []
+        for t in sorted(tiles, key=key):
+            last = out[-1] if out else None
+            if last is not None and last.kind == t.kind and t.kind != CAUSAL:
+                if along_keys and (last.q0, last.q1, last.k1) == (t.q0, t.q1, t.k0) and t.k1 - last.k0 <= max_tile:
+                    out[-1] = Tile(t.q0, t.q1, last.k0, t.k1, t.kind)
+                    continue
+                if not along_keys and (last.k0, last.k1, last.q1) == (t.k0, t.k1, t.q0) and t.q1 - last.q0 <= max_tile:
+                    out[-1] = Tile(last.q0, t.q1, t.k0, t.k1, t.kind)
+                    continue
+            out.append(t)
+        return out
+
+    return sorted(merge(merge(tiles, True), False), key=lambda t: (t.q0, t.k0))
+
+
 def _key_runs(layout: BranchLayout, rank: int, max_tile: int) -> list[_KeyRun]:
     runs = []
     for r in layout.zigzag_runs(rank):
@@ -171,7 +194,7 @@ def _build_plan(layout: BranchLayout, rank: int, device: torch.device, max_tile:
                 else:
                     kind = MASKED
                 tiles.append(Tile(qr.q0, qr.q1, kr.k0, kr.k1, kind))
-        tiles.sort(key=lambda t: (t.q0, t.k0))
+        tiles = _coalesce(tiles, max_tile)
         ring_masks.append(BlockMask(tiles, q_seg, q_lo, q_hi, k_seg, k_pos, w).to(device))
 
     intra_mask = None
