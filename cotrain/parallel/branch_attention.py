@@ -151,9 +151,11 @@ def _build_plan(layout: BranchLayout, rank: int, device: torch.device, max_tile:
     b_seg = torch.repeat_interleave(b_seq, lens)
     b_hi = torch.repeat_interleave(b_last, lens)
     b_lo = b_hi - (w - 1) if w is not None else torch.zeros_like(b_hi)
-    # Group consecutive branches of one sequence and one anchor chunk (tight tiles), <= max_tile rows.
-    chunk = layout.padded_seqlens[b_seq] // (2 * C) if C > 1 else torch.ones_like(b_seq)
-    group_key = list(zip(b_seq.tolist(), (layout.anchor_positions[ids] // chunk).tolist()))
+    # Group consecutive branches whose anchors share a sequence and a zigzag chunk (at most max_tile
+    # positions wide), up to max_tile rows: tight visibility bounds, few tiles.
+    span = layout.padded_seqlens[b_seq] // (2 * C) if C > 1 else layout.seqlens[b_seq]
+    span = span.clamp(max=max_tile)
+    group_key = list(zip(b_seq.tolist(), (layout.anchor_positions[ids] // span).tolist()))
     offs = [0] + torch.cumsum(lens, 0).tolist()
     start = 0
     for i in range(len(group_key) + 1):
