@@ -1,0 +1,73 @@
+"""TapChannel faults across processes, for the shm and gloo transports: read timeout, lapped source,
+dead source, shape/dtype mismatch at registration, back-pressure that never overwrites."""
+
+import pytest
+
+from cotrain.distributed import spawn_local
+
+import _tap_workers as w
+from _spawn import spawn_expecting_deaths
+
+TRANSPORTS = ["shm", "gloo"]
+
+
+@pytest.fixture(scope="module")
+def faults():
+    writer, reader = spawn_local(w.faults, 2, TRANSPORTS, timeout_s=180)
+    return {t: (writer[t], reader[t]) for t in TRANSPORTS}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_read_timeout_names_the_slot(faults, transport):
+    _, r = faults[transport]
+    assert r["first"] == 1.0
+    e = r["timeout"]
+    assert e["type"] == "TapTimeoutError"
+    assert (e["layer"], e["rank"], e["slot"], e["expected"], e["seen"]) == (0, 0, 1, 2, 0)
+    for word in ("layer 0", "rank 0", "slot 1", "expected stamp 2", "seen stamp 0"):
+        assert word in e["msg"]
+    assert 0.45 < e["elapsed"] < 5
+    assert r["late"] == (2.0, -2.0)  # a timeout is not corruption: the late microbatch still arrives intact
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_source_ahead_of_reader_is_lapped(faults, transport):
+    _, r = faults[transport]
+    e = r["lapped"]
+    assert e["type"] == "TapLappedError"
+    assert (e["layer"], e["rank"], e["expected"], e["seen"]) == (0, 0, 1, 3)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_registration_rejects_shape_and_dtype(faults, transport):
+    wr, rd = faults[transport]
+    assert "width 9" in wr["register_width"] and "width 8" in wr["register_width"]
+    assert "float16" in wr["register_dtype"] and "float32" in wr["register_dtype"]
+    assert "(9, 8)" in wr["too_many_tokens"]
+    assert "produced on rank 1" in wr["not_mine"]
+    assert "bfloat16" in rd["register_local"]
+    assert "disagree" in wr["handshake"] and "disagree" in rd["handshake"]  # both sides fail, nobody hangs
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_backpressure_times_out_and_never_overwrites(faults, transport):
+    wr, rd = faults[transport]
+    bp = wr["backpressure"]
+    assert bp["type"] == "TapTimeoutError"
+    # shm: the 3rd write needs slot 0 back; gloo: 2 slots in the mailbox + 2 sends in flight
+    assert bp["wrote"] == (2 if transport == "shm" else 4)
+    assert rd["kept"] == [0.0, 1.0]
+
+
+def test_dead_source_fails_the_reader_fast():
+    results, codes = spawn_expecting_deaths(w.dead_source, 2, dies={0}, timeout_s=120)
+    assert codes[0] == -9 and codes[1] == 0
+    for t in TRANSPORTS:
+        r = results[1][t]
+        assert r["first"] == 32.0  # what arrived before the death is intact
+        e = r["dead"]
+        assert e["type"] == "TapSourceDeadError", r
+        assert (e["layer"], e["rank"], e["slot"], e["expected"], e["seen"]) == (0, 0, 1, 2, 0)
+        assert e["elapsed"] < 5  # detected, not the 30 s timeout
+    assert "has exited" in results[1]["shm"]["dead"]["msg"]  # process liveness
+    assert "Connection closed" in results[1]["gloo"]["dead"]["msg"]  # the transport's own failure
