@@ -11,38 +11,6 @@ HF_CONFIG = dict(  # a tiny Qwen3 (GQA, qk-norm), as a Hugging Face config
 )
 
 
-def _rope_cp_split_workaround() -> bool:
-    """Megatron's RoPE CP split ends in `.cuda(non_blocking=True)` on a CPU tensor, which
-    cotrain.models.megatron_compat (as of this writing) does not redirect. If it still fails, swap in
-    the same split without the device move (identical math). Returns whether the swap was needed, so
-    the shim disappears by itself once the compatibility layer covers it."""
-    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
-
-    class _Group:  # a stand-in CP group of size 2, rank 0
-        def size(self):
-            return 2
-
-        def rank(self):
-            return 0
-
-    try:
-        rotary_pos_embedding.get_pos_emb_on_this_cp_rank(torch.zeros(4, 1), 0, _Group())
-        return False
-    except (AssertionError, RuntimeError):
-        pass
-
-    def split(pos_emb, seq_dim, cp_group):
-        cp_size, cp_rank = cp_group.size(), cp_group.rank()
-        idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
-        pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1 :])
-        pos_emb = pos_emb.index_select(seq_dim, idx)
-        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2 :])
-
-    rope_utils.get_pos_emb_on_this_cp_rank = split
-    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = split
-    return True
-
-
 def _run(model, ids, labels):
     b, s = ids.shape
     pos = torch.arange(s)[None].expand(b, s)
@@ -62,7 +30,6 @@ def cp_vs_cp1(rank: int, world: int, window=None, batch: int = 2, seq_len: int =
     from cotrain.parallel.megatron_adapter import CPBranchCoreAttention
 
     apply_cpu_compat()
-    rope_workaround = _rope_cp_split_workaround()
     arch = ArchSpec.from_hf(HF_CONFIG)
     overrides = {} if window is None else {"window_size": (window - 1, 0)}
     g = torch.Generator().manual_seed(0)
@@ -104,6 +71,5 @@ def cp_vs_cp1(rank: int, world: int, window=None, batch: int = 2, seq_len: int =
         "ref_loss": ref_loss.item(),
         "cp_loss": (loss / count).item(),
         "grad_err": {n: float((grads[n] - ref_grads[n]).abs().max()) for n in ref_grads},
-        "rope_workaround": rope_workaround,
         "grad_scale": max(float(g.abs().max()) for g in ref_grads.values()),
     }
