@@ -6,12 +6,13 @@ deadlock against, the 1F1B schedule's own sends.
 
 Writer: per tap write, ``isend`` of a header ``[seq, tap, ntok]`` then ``isend`` of the ``ntok`` rows
 (both tagged; gloo matches by tag and keeps FIFO order per peer). Sends complete only when the reader
-has posted the matching receive (gloo rendezvous), so a writer keeps at most ``slots`` writes per tap
-in flight: before posting ``seq`` it waits for the sends of ``seq - slots``.
+has posted the matching receive (gloo rendezvous), so a writer keeps at most ``2 x slots`` writes per
+tap in flight (held by reference, not copied): before posting ``seq`` it waits for the sends of
+``seq - 2 x slots``.
 
 Reader: one mailbox thread per source rank receives that rank's headers in order, waits until the
 named slot is released (back-pressure: the writer's send simply stays pending), receives the rows
-straight into the slot, then stores the stamp - the same slot/stamp protocol as the other transports,
+straight into the slot (with the next header's receive already posted), then stores the stamp - the same slot/stamp protocol as the other transports,
 in the reader's own memory. The threads only post receives for the microbatches of the current step
 (``begin_step``), so an idle channel between steps has nothing pending. A source that dies closes its
 TCP pair; the thread's receive fails and the reader's wait raises ``TapSourceDeadError``.
@@ -27,6 +28,7 @@ import threading
 import time
 from collections import deque
 from datetime import timedelta
+from functools import partial
 
 import numpy as np
 import torch
@@ -72,23 +74,34 @@ class _Receiver(threading.Thread):
             return self.error
         return f"mailbox thread for rank {self.src} failed: {type(self.error).__name__}: {str(self.error).splitlines()[0][:300]}"
 
+    def _take(self, block: bool) -> bool:
+        """Claim the next expected message (blocking until one is expected, or not)."""
+        with self.cond:
+            while block and self.pending == 0 and not self.stopped:
+                self.cond.wait()
+            if self.stopped or self.pending == 0:
+                return False
+            self.pending -= 1
+            return True
+
     def run(self) -> None:
         tr, ctx = self.tr, self.tr.ctx
         if tr.device.type == "cuda":
             torch.cuda.set_device(tr.device)
-        hdr = torch.zeros(3, dtype=torch.int64, device=tr.device)
+        hdrs = [torch.zeros(3, dtype=torch.int64, device=tr.device) for _ in range(2)]
         mine = {t for t, s in enumerate(ctx.taps) if s.rank == self.src}
+        recv = partial(dist.irecv, src=self.src, group=ctx.data_group)
+        k, next_hdr = 0, None
         try:
             while True:
-                with self.cond:
-                    while self.pending == 0 and not self.stopped:
-                        self.cond.wait()
-                    if self.stopped:
+                if next_hdr is None:
+                    if not self._take(block=True):
                         return
-                    self.pending -= 1
-                dist.irecv(hdr, src=self.src, group=ctx.data_group, tag=HEADER_TAG).wait()
+                    next_hdr = recv(hdrs[k % 2], tag=HEADER_TAG)
+                next_hdr.wait()
                 tr._sync()
-                seq, t, n = (int(v) for v in hdr.tolist())
+                seq, t, n = (int(v) for v in hdrs[k % 2].tolist())
+                next_hdr = None
                 if t not in mine or not 0 <= n <= ctx.max_tokens:
                     raise TapSpecMismatchError(f"bad tap header from rank {self.src}: seq {seq}, tap {t}, ntok {n}")
                 mb = tr.mailbox
@@ -103,10 +116,14 @@ class _Receiver(threading.Thread):
                         layer=spec.layer, rank=self.src, slot=mb.slot(want), expected=want + 1, seen=seq + 1)
                 mb.check_writable(t, seq)
                 mb.wait_free(t, seq, None, dead=lambda: "channel closed" if self.stopped else None)
-                if n:
-                    dist.irecv(mb.data[t][mb.slot(seq), :n], src=self.src, group=ctx.data_group, tag=DATA_TAG).wait()
+                data = recv(mb.data[t][mb.slot(seq), :n], tag=DATA_TAG) if n else None
+                if self._take(block=False):  # the next header's receive is posted while the rows arrive
+                    next_hdr = recv(hdrs[(k + 1) % 2], tag=HEADER_TAG)
+                if data is not None:
+                    data.wait()
                     tr._sync()
                 mb.publish(t, seq, n)
+                k += 1
         except BaseException as e:  # reported to the reader through its liveness probe
             self.error = e
 
@@ -184,7 +201,10 @@ class GlooTransport(TapTransport):
         return time.monotonic() - t0
 
     def write(self, t: int, seq: int, rows: torch.Tensor, deadline: float) -> float:
-        waited = self._drain(t, seq - self.ctx.slots, deadline)
+        # sends complete when the reader's thread posts the receive, i.e. once the slot is free; keeping
+        # 2 x slots in flight lets the source run on while that thread catches up (the rows are held by
+        # reference - for a batch of one they are views of layer outputs kept for backward anyway)
+        waited = self._drain(t, seq - 2 * self.ctx.slots, deadline)
         rows = rows.to(self.device).contiguous()
         n = rows.shape[0]
         hdr = torch.tensor([seq, t, n], dtype=torch.int64, device=self.device)
