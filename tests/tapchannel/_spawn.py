@@ -7,7 +7,6 @@ import queue as queue_mod
 import traceback
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cotrain.distributed import find_free_port, init_local_group
