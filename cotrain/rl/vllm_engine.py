@@ -3,15 +3,25 @@
 On CPU, vLLM needs eager mode and an explicit KV-cache size (its default asks for 92% of memory);
 see STACK.md. Scripts that create an engine in the default multi-process mode need an
 ``if __name__ == "__main__":`` guard, because the engine core runs in a spawned process.
+
+* :func:`engine_kwargs` / :func:`make_llm`: a plain engine (tests of vLLM itself).
+* :func:`speculative_config`: vLLM's ``speculative_config`` from cotrain's settings.
+* :func:`make_cotrain_llm`: an engine with cotrain's worker extension wired in (weight pushes,
+  the CPU rejection-sampler repair, the DFlash rebuild; see :mod:`cotrain.rl.vllm_ext`), the
+  sampler's own log-probabilities, per-request acceptance statistics, and a choice of
+  vLLM's multi-process mode (see docs/rollout.md for the measured trade-off).
 """
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
+SPEC_METHODS_WITH_MODEL = ("draft_model", "eagle", "eagle3", "dflash", "dspark", "mtp")
 
 
 def engine_kwargs(
@@ -24,11 +34,14 @@ def engine_kwargs(
     gpu_memory_utilization: float | None = None,
     max_logprobs: int = 20,
     speculative_config: dict | None = None,
+    enforce_eager: bool | None = None,
     **extra: Any,
 ) -> dict:
+    cuda = torch.cuda.is_available()
     kw: dict[str, Any] = dict(model=str(model_path), dtype=dtype, seed=seed, max_model_len=max_model_len,
-                              max_logprobs=max_logprobs, enforce_eager=True)
-    if torch.cuda.is_available():
+                              max_logprobs=max_logprobs,
+                              enforce_eager=(not cuda) if enforce_eager is None else enforce_eager)
+    if cuda:
         kw["gpu_memory_utilization"] = gpu_memory_utilization or 0.5
         if kv_cache_memory_bytes:
             kw["kv_cache_memory_bytes"] = kv_cache_memory_bytes
@@ -44,3 +57,95 @@ def make_llm(model_path: str, **kwargs: Any):
     from vllm import LLM
 
     return LLM(**engine_kwargs(model_path, **kwargs))
+
+
+def speculative_config(
+    method: str | None,
+    *,
+    num_speculative_tokens: int | None = None,
+    draft_model: str | None = None,
+    prompt_lookup_min: int | None = None,
+    prompt_lookup_max: int | None = None,
+    draft_sample_method: str = "greedy",
+) -> dict | None:
+    """vLLM's ``speculative_config`` (None when ``method`` is None).
+
+    ``ngram`` uses the prompt-lookup bounds; methods that run a drafter network need
+    ``draft_model`` (a directory in vLLM's format for that method).
+    """
+    if method is None:
+        return None
+    if num_speculative_tokens is None or num_speculative_tokens < 1:
+        raise ValueError(f"speculative method {method!r} needs num_speculative_tokens >= 1 "
+                         f"(got {num_speculative_tokens})")
+    out: dict[str, Any] = {"method": method, "num_speculative_tokens": int(num_speculative_tokens)}
+    if method == "ngram":
+        out["prompt_lookup_min"] = prompt_lookup_min or 1
+        out["prompt_lookup_max"] = prompt_lookup_max or 4
+    elif method in SPEC_METHODS_WITH_MODEL:
+        if not draft_model:
+            raise ValueError(f"speculative method {method!r} needs draft_model (a directory of drafter "
+                             "weights in vLLM's format)")
+        out["model"] = str(draft_model)
+    if draft_sample_method not in ("greedy", "probabilistic"):
+        raise ValueError(f"draft_sample_method={draft_sample_method!r} (allowed: greedy, probabilistic)")
+    if draft_sample_method != "greedy":
+        out["draft_sample_method"] = draft_sample_method
+    return out
+
+
+def default_multiprocess() -> bool:
+    """``COTRAIN_VLLM_MULTIPROCESS`` (0/1) if set; else multi-process on GPU, in-process on CPU.
+
+    On GPU the engine core's busy loop in its own process overlaps scheduling with the device.
+    On CPU the engine shares the cores it computes on: in-process starts in ~5 s instead of
+    30-50 s and, with one OpenMP thread per engine CPU, generates as fast or faster (see
+    docs/rollout.md for the measurements).
+    """
+    env = os.environ.get("COTRAIN_VLLM_MULTIPROCESS")
+    if env is not None:
+        return env != "0"
+    return torch.cuda.is_available()
+
+
+@contextmanager
+def _multiprocess_mode(multiprocess: bool):
+    """vLLM reads ``VLLM_ENABLE_V1_MULTIPROCESSING`` when the engine is created; set it for that
+    moment only. In-process engines also patch process-wide torch state (the CPU worker disables
+    ``torch.set_num_threads``); restore it so the rest of the process behaves as before."""
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    old_env = os.environ.get(key)
+    old_set_threads, old_threads = torch.set_num_threads, torch.get_num_threads()
+    os.environ[key] = "1" if multiprocess else "0"
+    try:
+        yield
+    finally:
+        if old_env is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old_env
+        if torch.set_num_threads is not old_set_threads:
+            torch.set_num_threads = old_set_threads
+            old_set_threads(old_threads)
+
+
+def make_cotrain_llm(model_path: str, *, multiprocess: bool | None = None,
+                     spec_metrics: str = "summary", **kwargs: Any):
+    """An ``LLM`` with cotrain's worker extension (weight pushes, CPU repairs) wired in.
+
+    Log-probabilities are the sampler's (``logprobs_mode="processed_logprobs"``: after
+    temperature / top-k / top-p), per-request acceptance statistics are on when speculative
+    decoding is (``per_request_spec_decode_metrics``). ``multiprocess=None`` follows
+    :func:`default_multiprocess`.
+    """
+    from vllm import LLM
+
+    from cotrain.rl.vllm_ext import extension_kwargs
+
+    kw = engine_kwargs(model_path, **kwargs)
+    kw.update(extension_kwargs())
+    kw.setdefault("logprobs_mode", "processed_logprobs")
+    if kw.get("speculative_config"):
+        kw.setdefault("per_request_spec_decode_metrics", spec_metrics)
+    with _multiprocess_mode(default_multiprocess() if multiprocess is None else multiprocess):
+        return LLM(**kw)

@@ -1,0 +1,468 @@
+"""The engine side of cotrain's weight pushes, plus two repairs vLLM needs, inside vLLM's workers.
+
+An engine made with :func:`extension_kwargs` (``weight_transfer_config={"backend": "cotrain"}``,
+``worker_extension_cls="cotrain.rl.vllm_ext.CotrainWorkerExtension"``) imports this module in
+each worker process, which
+
+* registers the ``cotrain`` weight-transfer backend (:class:`CotrainWeightTransferEngine`) for
+  vLLM's weight-update API. One ``update_weights({"update_info": {"handle": h}})`` call carries
+  one :mod:`~cotrain.rl.weight_transport` handle (never tensors: ``collective_rpc`` would turn them
+  into nested lists). The backend checks the handle's names, shapes and dtypes against the
+  checkpoint the engine serves **before touching the model**, and raises
+  :class:`~cotrain.rl.weight_transport.WeightPushError` naming the offending tensors; the model
+  and its version label then stay as they were;
+* on CPU, replaces vLLM's ``expand_batch_to_tokens`` in the rejection sampler by a pure-torch
+  version: the CPU fallback of that kernel writes into a temporary int64 copy and returns
+  uninitialised memory, so speculative decoding at temperature > 0 divides the target logits by
+  garbage and stops being lossless (STACK.md). Set ``COTRAIN_VLLM_SAMPLER_FIX=0`` to see the
+  defect;
+* after a drafter push into a DFlash drafter, rebuilds its fused context-K/V buffers from the
+  pushed tensors (on CPU the oneDNN prepack empties ``qkv_proj.weight``, from which vLLM would
+  rebuild them, and the rebuild during the reload reads RoPE's cache while it is still on the
+  meta device).
+
+The client side (:func:`push_weights`, :func:`push_handle`, :func:`push_draft_weights`) drives an
+``LLM``: ``start_(draft_)weight_update`` -> ``update_weights`` -> ``finish_weight_update`` ->
+``reset_prefix_cache``. A push is all-or-nothing: a policy push carries every tensor of the
+policy checkpoint, a draft push every tensor of the drafter's checkpoint except those it shares
+with the target (``lm_head`` / ``embed_tokens`` of EAGLE-3 / DFlash drafters), which it must not
+carry: writing them would overwrite the target's weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cotrain.rl.weight_transport import (
+    NcclBroadcastTransport,
+    WeightPushError,
+    WeightTransport,
+    check_manifest,
+    dtype_name,
+    make_transport,
+    receiver_for,
+    total_bytes,
+)
+
+BACKEND_NAME = "cotrain"
+WORKER_EXTENSION = "cotrain.rl.vllm_ext.CotrainWorkerExtension"
+SHARED_KEYS = ("lm_head", "embed_tokens")  # modules a drafter may borrow from the target
+
+
+def extension_kwargs() -> dict[str, Any]:
+    """The ``LLM(...)`` arguments that wire this module into an engine."""
+    return {"weight_transfer_config": {"backend": BACKEND_NAME}, "worker_extension_cls": WORKER_EXTENSION}
+
+
+# ------------------------------------------------------------------- CPU rejection-sampler repair
+def _expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
+                            replace_from: int = 0, replace_to: int = 0) -> torch.Tensor:
+    """Pure-torch ``expand_batch_to_tokens``: ``x = [a, b, c]``, ``cu = [2, 5, 6]`` ->
+    ``[a, a, b, b, b, c]``, with values equal to ``replace_from`` replaced by ``replace_to``."""
+    assert cu_num_tokens.shape[0] == x.shape[0]
+    counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1, dtype=torch.int64))
+    src = torch.where(x == replace_from, torch.as_tensor(replace_to, dtype=x.dtype, device=x.device), x)
+    out = torch.repeat_interleave(src, counts.to(x.device))
+    if out.shape[0] < num_tokens:  # never seen; keep the tail defined rather than uninitialised
+        fill = out[-1:] if out.numel() else src.new_full((1,), replace_to)
+        out = torch.cat([out, fill.expand(num_tokens - out.shape[0])])
+    return out[:num_tokens]
+
+
+def _on_cpu_platform() -> bool:
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    except Exception:  # vLLM absent or platform not resolvable: decide by CUDA
+        return not torch.cuda.is_available()
+
+
+def install_cpu_rejection_sampler_fix() -> bool:
+    """Patch this process's rejection sampler (CPU only, idempotent). Returns whether it is on."""
+    if os.environ.get("COTRAIN_VLLM_SAMPLER_FIX", "1") == "0" or not _on_cpu_platform():
+        return False
+    from vllm.v1.sample import rejection_sampler as rs
+
+    if getattr(rs.expand_batch_to_tokens, "_cotrain_fix", False):
+        return True
+    _expand_batch_to_tokens._cotrain_fix = True  # type: ignore[attr-defined]
+    rs.expand_batch_to_tokens = _expand_batch_to_tokens  # apply_sampling_constraints looks it up here
+    return True
+
+
+def cpu_rejection_sampler_fixed() -> bool:
+    try:
+        from vllm.v1.sample import rejection_sampler as rs
+    except ImportError:
+        return False
+    return bool(getattr(rs.expand_batch_to_tokens, "_cotrain_fix", False))
+
+
+# -------------------------------------------------------------------------- expected manifests
+def checkpoint_manifest(path: str | os.PathLike) -> dict[str, tuple[list[int], str]]:
+    """``{name: (shape, dtype)}`` of the safetensors checkpoint in directory ``path`` (headers only)."""
+    from safetensors import safe_open
+
+    root = Path(path)
+    files = sorted(root.glob("*.safetensors")) if root.is_dir() else [root]
+    index = root / "model.safetensors.index.json"
+    if root.is_dir() and index.exists():
+        files = sorted({root / f for f in json.loads(index.read_text())["weight_map"].values()})
+    if not files or not all(f.exists() for f in files):
+        raise WeightPushError(f"cannot validate pushes: no safetensors checkpoint at {str(path)!r} (cotrain "
+                              "validates pushed names and shapes against the checkpoint the engine loaded)")
+    out: dict[str, tuple[list[int], str]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                sl = sf.get_slice(name)
+                out[name] = (list(sl.get_shape()), _st_dtype(sl.get_dtype()))
+    return out
+
+
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _st_dtype(code: str) -> str:
+    return _ST_DTYPES.get(code, code.lower())
+
+
+def shared_with_target(draft: torch.nn.Module, target: torch.nn.Module) -> set[str]:
+    """Which of ``lm_head`` / ``embed_tokens`` the drafter borrows from the target (same object)."""
+    target_ids = {id(p) for p in target.parameters()}
+    shared = set()
+    for name, p in draft.named_parameters(remove_duplicate=False):
+        if id(p) in target_ids:
+            shared.update(k for k in SHARED_KEYS if k in name.split("."))
+    return shared
+
+
+def _forbidden_names(names: list[str], shared: set[str]) -> dict[str, str]:
+    out = {}
+    for n in names:
+        hit = [k for k in shared if k in n.split(".")]
+        if hit:
+            out[n] = (f"the drafter shares {hit[0]} with the target; a draft push carries only the drafter's own "
+                      "parameters (push the target's through a policy push)")
+    return out
+
+
+# ----------------------------------------------------------------------------- DFlash buffers
+_KV_NAME = re.compile(r"(?:^|\.)(?:layers\.(\d+)|midlayer)\.self_attn\.([kv])_proj\.(weight|bias)$")
+
+
+def rebuild_dflash_context_kv(draft: torch.nn.Module, pushed: dict[str, torch.Tensor]) -> bool:
+    """Rebuild a DFlash drafter's fused context-K/V buffers after a reload; False if not DFlash.
+
+    vLLM builds them at the end of ``load_weights``; during a layerwise reload that moment sees
+    RoPE's cache on the meta device and (on CPU) ``qkv_proj.weight`` already emptied by the
+    oneDNN prepack. Here, after the reload finished, every buffer is rebuilt from the live
+    modules, and the fused K/V weight from the pushed ``k_proj`` / ``v_proj`` tensors where the
+    live weight is not readable (layers the push did not carry keep their previous rows).
+    """
+    inner = getattr(draft, "model", None)
+    if inner is None or not hasattr(inner, "_build_fused_kv_buffers"):
+        return False
+    old_w = getattr(inner, "_fused_kv_weight", None)
+    old_b = getattr(inner, "_fused_kv_bias", None)
+    inner._build_fused_kv_buffers()  # RoPE cache, k_norm stack, hidden_norm alias, layer metadata
+    attns = [layer.self_attn for layer in inner.layers]
+    readable = all(a.qkv_proj.weight.dim() == 2 and not a.qkv_proj.weight.is_meta
+                   and a.qkv_proj.weight.shape[0] == a.q_size + 2 * a.kv_size for a in attns)
+    if readable or getattr(inner, "_fused_kv_weight", None) is None and old_w is None:
+        return True
+    start = _draft_start_layer(inner)
+    found: dict[tuple[int, str, str], torch.Tensor] = {}
+    for name, t in pushed.items():
+        m = _KV_NAME.search(name)
+        if m:
+            idx = 0 if m.group(1) is None else int(m.group(1))
+            if idx >= len(attns) and start and idx - start < len(attns):
+                idx -= start
+            found[(idx, m.group(2), m.group(3))] = t
+    kv = attns[0].kv_size
+    dtype, device = attns[0].o_proj.weight.dtype, inner.hidden_norm.weight.device
+
+    def fused(kind: str, old: torch.Tensor | None) -> torch.Tensor | None:
+        rows = []
+        for i in range(len(attns)):
+            k, v = found.get((i, "k", kind)), found.get((i, "v", kind))
+            if k is None or v is None:
+                if old is None or old.shape[0] != 2 * kv * len(attns):
+                    raise WeightPushError(f"DFlash rebuild: layer {i} {kind} of k_proj/v_proj missing from the push "
+                                          "and no previous fused buffer to keep it from")
+                rows.append(old[i * 2 * kv:(i + 1) * 2 * kv])
+            else:
+                rows += [k, v]
+        return torch.cat([r.to(device=device, dtype=dtype) for r in rows], dim=0).contiguous()
+
+    inner._fused_kv_weight = fused("weight", old_w)
+    if attns[0].qkv_proj.bias is not None:
+        inner._fused_kv_bias = fused("bias", old_b)
+    return True
+
+
+def _draft_start_layer(inner: torch.nn.Module) -> int:
+    try:
+        first = inner.layers[0].self_attn.attn.layer_name
+        return int(re.search(r"layers\.(\d+)", first).group(1))
+    except Exception:
+        return 0
+
+
+# -------------------------------------------------------------------------- transfer engine
+def _make_engine_cls():
+    """Defined lazily so that importing this module without vLLM (docs, unit tests) works."""
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+
+    @dataclass
+    class CotrainInitInfo(WeightTransferInitInfo):
+        """``transport``: which receiver to set up (only ``nccl`` needs it: master_addr,
+        master_port, world_size, rank_offset = group rank of this engine's first worker, backend)."""
+
+        transport: str = "shm"
+        options: dict = field(default_factory=dict)
+
+    @dataclass
+    class CotrainUpdateInfo(WeightTransferUpdateInfo):
+        handle: dict = field(default_factory=dict)
+
+    class CotrainWeightTransferEngine(WeightTransferEngine):
+        """vLLM weight-transfer backend ``cotrain``: one validated, atomic push per ``update_weights``."""
+
+        init_info_cls = CotrainInitInfo
+        update_info_cls = CotrainUpdateInfo
+        supports_draft_weight_update = True
+
+        def __init__(self, config, vllm_config, device, model) -> None:
+            super().__init__(config, vllm_config, device, model)
+            self._receivers: dict[str, WeightTransport] = {}
+            self._manifests: dict[str, dict] = {}
+            self._shared: set[str] | None = None
+            self.last_push: dict[str, Any] = {}
+            self.pushes = 0
+
+        # -- set-up
+        def init_transfer_engine(self, init_info) -> None:
+            if init_info.transport == "nccl":
+                from vllm.distributed import get_tensor_model_parallel_rank
+
+                opts = dict(init_info.options)
+                t = NcclBroadcastTransport.from_init_info(opts, get_tensor_model_parallel_rank())
+                t.connect()
+                self._receivers["nccl"] = t
+            elif init_info.transport not in ("shm", "cuda_ipc"):
+                raise WeightPushError(f"init_info.transport={init_info.transport!r} (allowed: shm, cuda_ipc, nccl)")
+
+        def shutdown(self) -> None:
+            for t in self._receivers.values():
+                if hasattr(t, "close"):
+                    t.close()
+            self._receivers.clear()
+
+        # -- what a push must look like
+        @property
+        def is_draft(self) -> bool:
+            return self.model is not self._default_model
+
+        def expected(self) -> tuple[dict, dict[str, str]]:
+            kind = "draft" if self.is_draft else "policy"
+            path = str(self.model_config.model)
+            if path not in self._manifests:
+                self._manifests[path] = checkpoint_manifest(path)
+            exp = dict(self._manifests[path])
+            forbidden: dict[str, str] = {}
+            if kind == "draft":
+                if self._shared is None:
+                    self._shared = shared_with_target(self.model, self._default_model)
+                forbidden = _forbidden_names(list(exp), self._shared)
+                for n in forbidden:
+                    exp.pop(n)
+                # a name the checkpoint lacks but the drafter borrows is still named in the error
+                forbidden.update(_forbidden_names([f"{k}.weight" for k in self._shared], self._shared))
+            return exp, forbidden
+
+        # -- the push
+        def start_weight_update(self) -> None:
+            pass  # nothing is touched before the handle has been validated (receive_weights)
+
+        def finish_weight_update(self) -> None:
+            pass  # receive_weights applies a push completely or not at all
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            # the base class synchronises through torch.accelerator, which CPU builds lack
+            self.receive_weights(self.parse_update_info(update_info))
+            if torch.cuda.is_available() and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+        def receive_weights(self, update_info) -> None:
+            from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+            from vllm.model_executor.model_loader.reload import (
+                finalize_layerwise_reload,
+                initialize_layerwise_reload,
+            )
+
+            t0 = time.perf_counter()
+            handle = update_info.handle
+            kind = "draft" if self.is_draft else "policy"
+            if not isinstance(handle, dict) or "manifest" not in handle:
+                raise WeightPushError(f"update_info.handle must be a weight handle dict (got {type(handle).__name__})")
+            expected, forbidden = self.expected()
+            receiver = receiver_for(handle, self._receivers)
+            try:
+                check_manifest(handle["manifest"], expected, kind=kind, forbidden=forbidden, require_all=True)
+            except WeightPushError:
+                if handle.get("transport") == "nccl":
+                    receiver.receive(handle)  # the sender is already broadcasting: drain, keep the group in step
+                raise
+            tensors = receiver.receive(handle)
+            t_recv = time.perf_counter()
+            # validated: from here on the model changes (vLLM's own layerwise reload, in place)
+            initialize_layerwise_reload(self.model)
+            with disable_mtp_completeness_check():
+                self.model.load_weights(iter(tensors.items()))
+            finalize_layerwise_reload(self.model, self.model_config)
+            dflash = bool(kind == "draft" and rebuild_dflash_context_kv(self.model, tensors))
+            self.pushes += 1
+            self.last_push = {"kind": kind, "version": handle.get("version"), "tensors": len(tensors),
+                              "bytes": total_bytes(tensors.values()), "receive_s": t_recv - t0,
+                              "load_s": time.perf_counter() - t_recv, "dflash_rebuilt": dflash}
+
+    return CotrainInitInfo, CotrainUpdateInfo, CotrainWeightTransferEngine
+
+
+def register_backend() -> None:
+    """Register the ``cotrain`` backend in this process's vLLM factory (idempotent)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND_NAME not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND_NAME, _make_engine_cls()[2])
+
+
+class CotrainWorkerExtension:
+    """Mixed into vLLM's worker class; its methods are reachable through ``collective_rpc``."""
+
+    def cotrain_status(self) -> dict[str, Any]:
+        eng = getattr(self, "weight_transfer_engine", None)
+        return {"pid": os.getpid(), "sampler_fix": cpu_rejection_sampler_fixed(),
+                "backend": type(eng).__name__ if eng is not None else None,
+                "pushes": getattr(eng, "pushes", 0), "last_push": getattr(eng, "last_push", {}),
+                "has_draft": self.get_draft_model() is not None,  # type: ignore[attr-defined]
+                "draft_class": type(self.get_draft_model()).__name__  # type: ignore[attr-defined]
+                if self.get_draft_model() is not None else None}  # type: ignore[attr-defined]
+
+    def cotrain_expected_manifest(self, kind: str = "policy") -> dict[str, Any]:
+        """What a push of ``kind`` must carry: ``{"expected": {name: [shape, dtype]}, "forbidden": {...}}``."""
+        eng = self.weight_transfer_engine  # type: ignore[attr-defined]
+        if kind == "draft":
+            self._set_draft_weight_update_target()  # type: ignore[attr-defined]
+        try:
+            exp, forbidden = eng.expected()
+        finally:
+            eng.reset_weight_update_target()
+        return {"expected": {n: [s, d] for n, (s, d) in exp.items()}, "forbidden": forbidden}
+
+    def cotrain_named_weights(self, kind: str = "policy", names: list[str] | None = None) -> dict[str, bytes]:
+        """Selected live parameters (vLLM names) as safetensors bytes, for tests and debugging."""
+        from safetensors.torch import save
+
+        model = self.get_draft_model() if kind == "draft" else self.get_model()  # type: ignore[attr-defined]
+        sel = {n: p.detach().to("cpu").contiguous() for n, p in model.named_parameters()
+               if names is None or n in names}
+        return save(sel)
+
+
+# import-time work inside vLLM's worker processes (and harmless elsewhere)
+try:  # pragma: no branch
+    import vllm  # noqa: F401
+
+    register_backend()
+    install_cpu_rejection_sampler_fix()
+except ImportError:  # docs / unit tests without vLLM
+    pass
+
+
+# --------------------------------------------------------------------------------- client side
+def _label(version: int) -> str:
+    return str(int(version))
+
+
+def push_handle(llm, kind: str, handle: dict, version: int | None = None) -> dict[str, Any]:
+    """Push one transport handle into a running ``LLM``; returns timings.
+
+    ``kind="policy"`` labels the engine with ``version`` (default: the handle's); ``"draft"``
+    loads the drafter and leaves the label alone (the label names the policy that samples).
+    On a rejected push raises :class:`WeightPushError`; the engine keeps serving the weights and
+    label it had (vLLM's worker ends the session itself when ``update_weights`` raises).
+    """
+    if kind not in ("policy", "draft"):
+        raise ValueError(f"kind={kind!r} (allowed: policy, draft)")
+    version = int(handle["version"] if version is None else version)
+    t0 = time.perf_counter()
+    (llm.start_draft_weight_update if kind == "draft" else llm.start_weight_update)()
+    try:
+        llm.update_weights({"update_info": {"handle": handle}})
+    except Exception as e:  # the engine core re-raises worker errors with their text
+        raise WeightPushError(_worker_message(str(e), kind, version)) from e
+    llm.finish_weight_update(weight_version=_label(version) if kind == "policy" else None)
+    llm.reset_prefix_cache()  # cached KV was computed by the old weights
+    return {"push_s": time.perf_counter() - t0}
+
+
+def _worker_message(msg: str, kind: str, version: int) -> str:
+    """The worker's own message out of vLLM's wrapping (multi-process mode adds a prefix and a
+    suffix pointing at the engine log)."""
+    start = msg.find(f"{kind} weight push rejected")
+    if start < 0:
+        return f"{kind} push of version {version} failed: {msg}"
+    msg = msg[start:]
+    end = msg.find("', please check the stack trace")
+    return msg[:end] if end >= 0 else msg
+
+
+def push_weights(llm, kind: str, named_tensors: dict[str, torch.Tensor], version: int,
+                 transport: WeightTransport | None = None) -> dict[str, Any]:
+    """Send ``named_tensors`` through ``transport`` (default: shm / auto) and push them."""
+    transport = transport or make_transport("auto")
+    t0 = time.perf_counter()
+    handle = transport.send(named_tensors, version)
+    t_send = time.perf_counter() - t0
+    try:
+        stats = push_handle(llm, kind, handle, version)
+    finally:
+        transport.release(handle)
+    stats["send_s"] = t_send
+    return stats
+
+
+def push_draft_weights(llm, named_tensors: dict[str, torch.Tensor], version: int,
+                       transport: WeightTransport | None = None) -> dict[str, Any]:
+    """A drafter push (names in the drafter checkpoint's format; never shared lm_head/embed_tokens)."""
+    return push_weights(llm, "draft", named_tensors, version, transport)
+
+
+def engine_status(llm) -> dict[str, Any]:
+    return llm.collective_rpc("cotrain_status")[0]
+
+
+__all__ = [
+    "BACKEND_NAME", "WORKER_EXTENSION", "extension_kwargs", "push_weights", "push_handle", "push_draft_weights",
+    "engine_status", "install_cpu_rejection_sampler_fix", "cpu_rejection_sampler_fixed", "checkpoint_manifest",
+    "shared_with_target", "rebuild_dflash_context_kv", "register_backend", "CotrainWorkerExtension",
+    "WeightPushError", "dtype_name",
+]
