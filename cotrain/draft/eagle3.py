@@ -1,0 +1,242 @@
+"""EAGLE-3 drafter trained with train-time test (TTT); served by vLLM as method ``eagle3``.
+
+Model (vLLM's ``Eagle3LlamaForCausalLM``): the target's tapped states -> ``fc`` -> h; the first
+decoder layer's attention input is ``input_layernorm(embed(token)) ++ hidden_norm(h)`` (2H wide),
+its residual stream starts at h; more layers take the residual stream only; the pre-norm output
+("prenorm") is fed back as the next step's h; logits = ``lm_head(norm(prenorm))`` (own LM head,
+initialised from the target's; embeddings are the target's).
+
+Train-time test with k passes. Pass 0 runs on the whole sequence: at position p it reads token
+x_{p+1} and the taps of p and predicts x_{p+2}. Pass t >= 1 at anchor p reads token x_{p+1+t} and
+the prenorm output of pass t-1 at p, sits at RoPE position p+t and predicts x_{p+2+t}; it attends
+to pass 0's keys at positions <= p and to passes 1..t at p - the layout
+``eagle3_ttt_layout`` (context="inclusive", intra="causal"), exactly what vLLM's drafter sees when
+it drafts k tokens after bonus token x_{p+1}. The passes run one after another (pass t needs pass
+t-1's output); every pass calls branch attention with the same layout, the not-yet-computed passes
+zero (intra="causal" hides them), so under CP the ring plan is built once.
+
+Chains: the chain at anchor p has bonus position p+1 and k drafts (pass t = draft t).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from cotrain.config.schema import DraftKindConfig, Eagle3Config
+from cotrain.draft.common import (
+    QKV,
+    DraftBatch,
+    DraftOutput,
+    RMSNorm,
+    SwiGLU,
+    BranchAttention,
+    chain_rows,
+    group_rank,
+    init_linear_,
+    local_rows,
+    rope_cos_sin,
+)
+from cotrain.draft.registry import Drafter, register_drafter
+from cotrain.draft.taps import TargetSpec
+from cotrain.parallel import BranchLayout, anchor_owner, eagle3_ttt_layout
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, a, first: bool):
+        super().__init__()
+        H = a.hidden_size
+        self.first = first
+        self.self_attn = QKV(2 * H if first else H, H, a.num_heads, a.num_kv_heads, a.head_dim, qk_norm=False,
+                             eps=a.rms_norm_eps, rope_theta=a.rope_theta)
+        self.mlp = SwiGLU(H, a.intermediate_size)
+        self.input_layernorm = RMSNorm(H, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(H, a.rms_norm_eps)
+        self.hidden_norm = RMSNorm(H, a.rms_norm_eps)  # vLLM builds it in every layer; layer 0 uses it
+
+    def attn_input(self, emb: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            return torch.cat([self.input_layernorm(emb), self.hidden_norm(resid)], dim=-1)
+        return self.input_layernorm(resid)
+
+    def finish(self, resid: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        resid = resid + self.self_attn.out(attn_out)
+        return resid + self.mlp(self.post_attention_layernorm(resid))
+
+
+class Eagle3Drafter(Drafter):
+    kind = "eagle3"
+    vllm_method = "eagle3"
+    vllm_architecture = "LlamaForCausalLMEagle3"
+
+    def __init__(self, cfg: Eagle3Config, target: TargetSpec, generator: Optional[torch.Generator] = None):
+        super().__init__(cfg, target)
+        a = target.arch
+        H = a.hidden_size
+        self.fc = nn.Linear(self.num_taps * H, H, bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(a, first=(i == 0)) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(H, a.rms_norm_eps)
+        self.lm_head = nn.Linear(H, a.vocab_size, bias=False)
+        init_linear_(self, generator=generator)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target.lm_head)
+            self.norm.weight.copy_(target.final_norm)
+
+    def extra_checks(self, cfg: DraftKindConfig, target: TargetSpec) -> list[tuple[str, str]]:
+        issues = []
+        if cfg.draft_vocab_size is not None and cfg.draft_vocab_size != target.arch.vocab_size:
+            issues.append(("draft_vocab_size", f"{cfg.draft_vocab_size} is not supported yet (allowed: null or "
+                           f"the target's vocab_size {target.arch.vocab_size}; a reduced vocabulary needs d2t)"))
+        return issues
+
+    @property
+    def num_passes(self) -> int:
+        return int(self.cfg.ttt_steps)
+
+    @property
+    def draft_width(self) -> int:
+        return self.num_passes
+
+    # ----- layout -------------------------------------------------------------------------------
+    def chain_anchors(self, batch: DraftBatch) -> torch.Tensor:
+        """Packed positions p whose first draft (token p+2) is supervised; bonus token = x_{p+1}."""
+        T = batch.num_tokens
+        p = torch.arange(T)
+        ok = p + 2 < batch.seq_end()
+        ok &= batch.loss_mask[(p + 2).clamp(max=T - 1)]
+        return p[ok]
+
+    def build_layout(self, batch: DraftBatch, generator: Optional[torch.Generator] = None,
+                     cp_size: int = 1) -> BranchLayout:
+        return eagle3_ttt_layout(batch.cu_seqlens, self.num_passes, positions=self.chain_anchors(batch),
+                                 cp_size=cp_size)
+
+    # ----- forward ------------------------------------------------------------------------------
+    def forward(self, batch: DraftBatch, layout: Optional[BranchLayout] = None, group=None) -> DraftOutput:
+        if layout is None:
+            layout = self.build_layout(batch)
+        k = self.num_passes
+        C = layout.cp_size
+        rank = group_rank(group) if C > 1 else 0
+        a = self.target_arch
+        H, D, nh, nkv = a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads
+        T = batch.num_tokens
+        ids = batch.input_ids
+        rows = local_rows(layout, rank)
+        real = rows >= 0
+        r = rows.clamp(min=0)
+        end = batch.seq_end()
+        pos = batch.positions
+        nxt = r + 1
+        tok0 = torch.where(real & (nxt < end[r]), ids[nxt.clamp(max=T - 1)], torch.full_like(r, self.pad_token_id))
+        taps = batch.taps.to(self.fc.weight.dtype)
+        if taps.shape[0] != rows.numel():
+            raise ValueError(f"taps has {taps.shape[0]} rows, expected {rows.numel()} (this rank's trunk rows)")
+
+        # chain anchors this rank owns, and their local trunk rows
+        anchors = self.chain_anchors(batch)
+        if C > 1:
+            anchors = anchors[anchor_owner(batch.cu_seqlens, anchors, C) == rank]
+        inv = torch.full((T,), -1, dtype=torch.int64)
+        inv[rows[real]] = torch.nonzero(real).squeeze(1)
+        arow = inv[anchors]
+        NB = anchors.numel()
+        nbt = NB * (k - 1)
+        if k > 1 and layout.local_branch_tokens(rank) != nbt:
+            raise ValueError("layout does not match this batch's chain anchors (build it with build_layout)")
+
+        cos0, sin0 = rope_cos_sin(pos[r], D, a.rope_theta)
+        emb0 = self.embed(tok0)
+        zeros_b = taps.new_zeros(nbt, nh, D)
+        zeros_bkv = taps.new_zeros(nbt, nkv, D)
+
+        attn = BranchAttention(layout, group)
+        # pass 0 (the trunk)
+        resid = self.fc(taps)
+        trunk_kv = []
+        for layer in self.layers:
+            x = layer.attn_input(emb0, resid)
+            q = layer.self_attn.q(x, cos0, sin0)
+            kk, vv = layer.self_attn.kv(x, cos0, sin0)
+            trunk_kv.append((kk, vv))
+            out, _ = attn(q, kk, vv, zeros_b if nbt else None, zeros_bkv if nbt else None,
+                          zeros_bkv if nbt else None)
+            resid = layer.finish(resid, out)
+        prenorm = resid[arow]
+        logits = [self._logits(prenorm)]
+
+        # passes 1..k-1 (the branches)
+        branch_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.layers]
+        q_main = taps.new_zeros(rows.numel(), nh, D)
+        apos = pos[anchors]
+        aend = end[anchors]
+        for t in range(1, k):
+            src = anchors + 1 + t
+            tok = torch.where(src < aend, ids[src.clamp(max=T - 1)], torch.full_like(src, self.pad_token_id))
+            emb = self.embed(tok)
+            cos, sin = rope_cos_sin(apos + t, D, a.rope_theta)
+            resid = prenorm
+            for li, layer in enumerate(self.layers):
+                x = layer.attn_input(emb, resid)
+                q = layer.self_attn.q(x, cos, sin)
+                kk, vv = layer.self_attn.kv(x, cos, sin)
+                branch_kv[li].append((kk, vv))
+                bq = self._place(q, t, k, nh, D)
+                bk = self._stack([kv[0] for kv in branch_kv[li]], k, nkv, D)
+                bv = self._stack([kv[1] for kv in branch_kv[li]], k, nkv, D)
+                _, bout = attn(q_main, trunk_kv[li][0], trunk_kv[li][1], bq, bk, bv)
+                resid = layer.finish(resid, bout.view(NB, k - 1, nh, D)[:, t - 1])
+            prenorm = resid
+            logits.append(self._logits(prenorm))
+
+        bonus = anchors + 1
+        target_rows, valid = chain_rows(bonus, k, batch)
+        return DraftOutput(logits=torch.stack(logits, dim=1), bonus_pos=bonus, target_rows=target_rows, valid=valid)
+
+    def _logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(prenorm))
+
+    @staticmethod
+    def _place(x: torch.Tensor, t: int, k: int, heads: int, D: int) -> torch.Tensor:
+        """(NB, heads, D) into branch token slot t-1 of (NB*(k-1), heads, D), zeros elsewhere."""
+        NB = x.shape[0]
+        parts = [x.new_zeros(NB, heads, D)] * (t - 1) + [x] + [x.new_zeros(NB, heads, D)] * (k - 1 - t)
+        return torch.stack(parts, dim=1).reshape(NB * (k - 1), heads, D)
+
+    @staticmethod
+    def _stack(xs: list[torch.Tensor], k: int, heads: int, D: int) -> torch.Tensor:
+        NB = xs[0].shape[0]
+        parts = list(xs) + [xs[0].new_zeros(NB, heads, D)] * (k - 1 - len(xs))
+        return torch.stack(parts, dim=1).reshape(NB * (k - 1), heads, D)
+
+    # ----- vLLM ---------------------------------------------------------------------------------
+    def _vllm_name_map(self) -> dict[str, str]:
+        m = {"fc.weight": "fc.weight", "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight"}
+        for i, layer in enumerate(self.layers):
+            prefix = "midlayer." if len(self.layers) == 1 else f"layers.{i}."
+            for name, _ in layer.named_parameters():
+                m[prefix + name] = f"layers.{i}.{name}"
+        return m
+
+    def vllm_state_dict(self) -> dict[str, torch.Tensor]:
+        own = dict(self.named_parameters())
+        return {v: own[p].detach().clone() for v, p in self._vllm_name_map().items()}
+
+    def vllm_config(self) -> dict:
+        cfg = self._base_qwen_like_config()
+        cfg.update({
+            "architectures": [self.vllm_architecture],
+            "model_type": "llama",
+            "num_hidden_layers": len(self.layers),
+            "draft_vocab_size": self.target_arch.vocab_size,
+            "num_aux_hidden_states": self.num_taps,
+            "eagle_aux_hidden_state_layer_ids": self.vllm_tap_ids,
+            "norm_before_fc": False,
+            "cotrain": {"kind": self.kind, "tap_layers": self.tap_layers, "ttt_steps": self.num_passes},
+        })
+        return cfg
+
+
+register_drafter("eagle3", Eagle3Drafter)
