@@ -153,17 +153,24 @@ class VllmGeneration(GenerationBackend):
         prompts = list(prompts)
         if not prompts:
             return GenerationResult(samples=[], metrics=_aggregate([], 0.0))
-        params = []
-        for i in range(len(prompts)):
+        # vLLM refuses n > 1 at temperature 0: ask for n identical single-sample requests instead
+        copies = n if sampling.temperature == 0 and n > 1 else 1
+        per_request = n // copies
+        inputs, params = [], []
+        for i, p in enumerate(prompts):
             seed = None if sampling.seed is None else int(sampling.seed) + (prompt_offset + i) * n
-            params.append(sampling_params(sampling, n, seed))
-        inputs = [TokensPrompt(prompt_token_ids=list(p)) if not isinstance(p, str) else p for p in prompts]
+            inp = TokensPrompt(prompt_token_ids=list(p)) if not isinstance(p, str) else p
+            for _ in range(copies):
+                inputs.append(inp)
+                params.append(sampling_params(sampling, per_request, seed))
         t0 = time.perf_counter()
         outs = self.llm.generate(inputs, params, use_tqdm=False)
         seconds = time.perf_counter() - t0
         current = self.weight_version()
-        samples = [[self._sample(prompt_offset + i, out, c, current) for c in out.outputs]
-                   for i, out in enumerate(outs)]
+        samples = []
+        for i in range(len(prompts)):
+            group = outs[i * copies:(i + 1) * copies]
+            samples.append([self._sample(prompt_offset + i, out, c, current) for out in group for c in out.outputs])
         return GenerationResult(samples=samples, metrics=_aggregate(samples, seconds))
 
     def _sample(self, index: int, out, c, current: int) -> Sample:

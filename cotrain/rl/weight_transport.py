@@ -28,6 +28,7 @@ transport          where                                       how the bytes mov
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 import threading
 import uuid
@@ -349,8 +350,17 @@ class NcclBroadcastTransport(WeightTransport):
 
         if self._pg is not None:
             return
+        listen_fd = None
+        if self.rank == 0:
+            # bind the rendezvous to master_addr only (torch's own server would listen on every
+            # interface): on one machine everything stays on loopback
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.master_addr, self.master_port))
+            sock.listen(max(16, self.world_size))
+            listen_fd = sock.detach()  # the store owns (and closes) the listening socket from here
         store = dist.TCPStore(self.master_addr, self.master_port, self.world_size, is_master=self.rank == 0,
-                              timeout=self.timeout, wait_for_workers=True)
+                              timeout=self.timeout, wait_for_workers=True, master_listen_fd=listen_fd)
         self._store = store  # kept for the group's lifetime; close() drops it after the group
         store = dist.PrefixStore("cotrain-weights", store)
         if self.backend == "nccl":
@@ -359,7 +369,12 @@ class NcclBroadcastTransport(WeightTransport):
             opts.is_high_priority_stream = False
             self._pg = dist.ProcessGroupNCCL(store, self.rank, self.world_size, opts)
         else:
-            self._pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, self.timeout)
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = self.timeout
+            loopback = self.master_addr in ("127.0.0.1", "localhost")
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if loopback
+                             else dist.ProcessGroupGloo.create_default_device()]
+            self._pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, opts)
         # one small collective so that communicator set-up happens here, not inside the first push
         probe = torch.ones(1, device=self.device)
         self._broadcast(probe).wait()
