@@ -92,13 +92,13 @@ def dspark_l1(logits: torch.Tensor, p: torch.Tensor, valid: torch.Tensor,
     ce = _wmean(-(p.detach() * logq).sum(-1), w)
     l1 = l1_distance(logits, p)
     loss = ce + l1_weight * _wmean(l1, w)
-    metrics = {"ce": float(ce), "l1": float(_wmean(l1, w))}
+    metrics = {"ce": float(ce.detach()), "l1": float(_wmean(l1.detach(), w))}
     if confidence is not None:
         label = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)
         bce = F.binary_cross_entropy_with_logits(confidence.float(), label, reduction="none")
         conf_loss = _wmean(bce, w)
         loss = loss + confidence_weight * conf_loss
-        metrics["confidence_bce"] = float(conf_loss)
+        metrics["confidence_bce"] = float(conf_loss.detach())
     return loss, metrics
 
 

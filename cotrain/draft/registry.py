@@ -179,12 +179,15 @@ def get_drafter_class(kind: str) -> type[Drafter]:
     try:
         return _DRAFTERS[kind]
     except KeyError:
-        raise KeyError(f"no drafter registered for kind {kind!r} (registered: {', '.join(_DRAFTERS)})") from None
+        raise KeyError(f"no drafter registered for kind {kind!r} (registered: {', '.join(drafter_kinds())})") from None
 
 
 def drafter_kinds() -> tuple[str, ...]:
+    """Kinds with a drafter class, in the config registry's order."""
+    from cotrain.config.schema import draft_kinds
+
     _ensure_builtin()
-    return tuple(_DRAFTERS)
+    return tuple(k for k in draft_kinds() if k in _DRAFTERS)
 
 
 def build_drafter(kind: str, settings: DraftKindConfig | dict | None, target: TargetSpec,

@@ -1,0 +1,74 @@
+"""Distilled drafters cached like the tiny model: built once, reused by tests and benchmarks.
+
+``ensure_distilled(cfg)`` runs :func:`cotrain.draft.distill.distill` into
+``$COTRAIN_CACHE/drafters/<kind>-<key>/`` unless that directory already holds a finished run;
+the key hashes the distillation config (output_dir and progress_bar excluded), the target (the
+tiny model's build key or the checkpoint's path) and the source of the drafter code, so editing a
+drafter or its recipe rebuilds it. A lock file makes concurrent callers build once; the directory
+appears atomically when complete.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from cotrain.draft.distill import DistillConfig, distill, load_distill_config
+
+_CODE_FILES = ("common.py", "registry.py", "eagle3.py", "dflash.py", "dspark.py", "losses.py", "taps.py",
+               "distill.py", "export.py")
+
+
+def _code_hash() -> str:
+    h = hashlib.sha256()
+    root = Path(__file__).parent
+    for name in _CODE_FILES:
+        h.update((root / name).read_bytes())
+    return h.hexdigest()[:12]
+
+
+def cache_key(cfg: DistillConfig) -> str:
+    from cotrain.models.build_tiny import build_key
+    from cotrain.models.tiny import BUILTIN_MODEL_PATH
+
+    data = cfg.model_dump(mode="json")
+    data.pop("output_dir", None)
+    data.pop("progress_bar", None)
+    target = f"builtin:{build_key()}" if cfg.target == BUILTIN_MODEL_PATH else str(Path(cfg.target).resolve())
+    blob = json.dumps([data, target, _code_hash()], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def ensure_distilled(cfg: DistillConfig | str | Path, overrides: list[str] = (), progress: bool = False,
+                     root: Optional[Path] = None) -> Path:
+    """Directory of a finished distillation (``drafter/``, ``metrics.json``, ``curves.png``)."""
+    from cotrain.models.build_tiny import cache_root
+
+    if not isinstance(cfg, DistillConfig):
+        cfg = load_distill_config(cfg, list(overrides))
+    elif overrides:
+        raise ValueError("overrides apply to a config file, not to a DistillConfig object")
+    root = Path(root) if root is not None else cache_root() / "drafters"
+    root.mkdir(parents=True, exist_ok=True)
+    out = root / f"{cfg.draft.kind}-{cache_key(cfg)}"
+    with open(root / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "metrics.json").exists():
+            tmp = Path(tempfile.mkdtemp(dir=root, prefix=out.name + ".tmp"))
+            try:
+                distill(cfg.model_copy(update={"output_dir": str(tmp), "progress_bar": progress}))
+                os.replace(tmp, out)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+    return out
+
+
+def distilled_summary(path: str | Path) -> dict:
+    return json.loads((Path(path) / "metrics.json").read_text())["summary"]

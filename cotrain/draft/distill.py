@@ -1,0 +1,394 @@
+"""Offline drafter distillation: ``python -m cotrain.draft.distill --config configs/distill_eagle3.yaml``.
+
+Trains any registered drafter (``draft.kind``: eagle3, dflash, dspark) from a target checkpoint:
+
+1. prompts (the built-in arithmetic task or a JSONL file) -> the target generates the responses
+   (greedy or sampled, Hugging Face ``generate``), each followed by ``tail_tokens`` of the target's
+   greedy continuation after end-of-sequence (vLLM counts drafts accepted past EOS, so the
+   acceptance estimate needs them; they are supervised like the response);
+2. the target's taps (the drafter's tap layers) and logits on those sequences
+   (:mod:`cotrain.draft.taps`);
+3. ``train.steps`` optimizer steps of the drafter loss (``draft.loss``, default per kind) against
+   the detached target distributions, AdamW with ``draft.optimizer`` (warm-up, cosine, clipping);
+4. every ``train.eval_every`` steps: the offline acceptance estimate (:mod:`cotrain.draft.acceptance`)
+   on held-out prompts;
+5. writes ``<output_dir>/drafter`` (vLLM-loadable, :mod:`cotrain.draft.export`),
+   ``<output_dir>/metrics.json`` (curves and final numbers) and ``<output_dir>/curves.png``.
+
+Overrides: ``key.path=value`` after the options (``train.steps=50``, ``draft.eagle3.ttt_steps=3``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional
+
+import torch
+from pydantic import Field, ValidationError
+
+from cotrain.config.schema import DraftConfig, OptimizerConfig, StrictModel
+from cotrain.draft.acceptance import estimate_acceptance
+from cotrain.draft.common import DraftBatch, select_sequences
+from cotrain.draft.losses import draft_loss, target_probs
+from cotrain.draft.registry import Drafter, build_drafter
+
+
+# ------------------------------------------------------------------------------------------ config
+class DistillDataConfig(StrictModel):
+    """Prompts and the target's responses."""
+
+    task: Literal["arithmetic", "jsonl"] = "arithmetic"
+    """Prompt source: the built-in arithmetic task or a JSONL file (``jsonl_path``)."""
+    jsonl_path: Optional[str] = None
+    """JSONL file with one ``{"prompt": ...}`` object per line (task jsonl)."""
+    prompt_key: str = "prompt"
+    """Key of the prompt in the JSONL objects."""
+    max_digits: Annotated[int, Field(ge=1, le=9)] = 3
+    """Arithmetic task: most digits per operand."""
+    num_prompts: Annotated[int, Field(ge=1)] = 1000
+    """Training prompts."""
+    eval_prompts: Annotated[int, Field(ge=1)] = 200
+    """Held-out prompts for the acceptance estimate."""
+    max_new_tokens: Annotated[int, Field(ge=1)] = 16
+    """Longest response."""
+    tail_tokens: Annotated[int, Field(ge=0)] = 8
+    """Target greedy tokens kept after EOS (at least the number of draft tokens you serve with)."""
+    temperature: Annotated[float, Field(ge=0)] = 0.0
+    """Sampling temperature of the responses (0 = greedy)."""
+    seed: int = 7
+    """Seed of the prompts and of response sampling."""
+
+
+class DistillTrainConfig(StrictModel):
+    """The optimisation loop."""
+
+    steps: Annotated[int, Field(ge=1)] = 300
+    """Optimizer steps."""
+    batch_size: Annotated[int, Field(ge=1)] = 32
+    """Sequences per step."""
+    eval_every: Annotated[int, Field(ge=0)] = 50
+    """Acceptance estimate every this many steps (0 = only at the end)."""
+    num_speculative_tokens: Optional[Annotated[int, Field(ge=1)]] = None
+    """Draft tokens k of the acceptance estimate. null = the drafter's default."""
+    seed: int = 0
+    """Seed of the drafter's initialisation and of batch / anchor sampling."""
+
+
+class DistillConfig(StrictModel):
+    """Offline distillation of a drafter from a target."""
+
+    target: str = "builtin:tiny"
+    """The target: 'builtin:tiny' or a Hugging Face checkpoint directory."""
+    output_dir: str = "runs/distill"
+    """Where the drafter, metrics and curves go."""
+    threads: Optional[Annotated[int, Field(ge=1)]] = 1
+    """torch CPU threads (null = leave torch's default). The tiny shapes run fastest on one thread,
+    and many threads on a busy machine can be much slower."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar."""
+    draft: DraftConfig = Field(default_factory=lambda: DraftConfig.model_validate(
+        {"kind": "eagle3", "optimizer": {"lr": 3e-3, "warmup_steps": 20, "schedule": "cosine", "min_lr": 1e-4}}))
+    """The drafter (same section as a cotrain run's ``draft``); ``kind`` must be set."""
+    data: DistillDataConfig = Field(default_factory=DistillDataConfig)
+    """Prompts and responses."""
+    train: DistillTrainConfig = Field(default_factory=DistillTrainConfig)
+    """Optimisation."""
+
+
+def load_distill_config(path: Optional[str | Path] = None, overrides: list[str] = ()) -> DistillConfig:
+    from cotrain.config.loader import deep_merge, load_merged, parse_override
+
+    data: dict[str, Any] = {}
+    if path is not None:
+        data, _ = load_merged(path)
+    for text in overrides:
+        keys, value = parse_override(text)
+        patch: Any = value
+        for key in reversed(keys):
+            patch = {key: patch}
+        data = deep_merge(data, patch)
+    cfg = DistillConfig.model_validate(data)
+    if cfg.draft.kind is None:
+        raise ValueError("draft.kind must name a drafter (eagle3, dflash, dspark)")
+    loss = cfg.draft.loss or cfg.draft.settings.default_loss
+    if loss not in cfg.draft.settings.allowed_losses:
+        raise ValueError(f"draft.loss: {loss!r} is not allowed for kind {cfg.draft.kind!r} "
+                         f"(allowed: {', '.join(cfg.draft.settings.allowed_losses)})")
+    return cfg
+
+
+# -------------------------------------------------------------------------------------------- data
+@dataclass
+class Record:
+    prompt: list[int]
+    response: list[int]  # up to and including EOS (or max_new_tokens long)
+    tail: list[int]  # target greedy continuation after EOS
+
+
+def load_prompts(cfg: DistillDataConfig, n: int, seed: int) -> list[str]:
+    if cfg.task == "arithmetic":
+        from cotrain.rl.data import arithmetic_dataset
+
+        return [p.prompt for p in arithmetic_dataset(n, seed=seed, max_digits=cfg.max_digits)]
+    if not cfg.jsonl_path:
+        raise ValueError("data.jsonl_path is required for task jsonl")
+    rows = [json.loads(line) for line in Path(cfg.jsonl_path).read_text().splitlines() if line.strip()]
+    prompts = [str(r[cfg.prompt_key]) for r in rows]
+    random.Random(seed).shuffle(prompts)
+    if len(prompts) < n:
+        raise ValueError(f"{cfg.jsonl_path}: {len(prompts)} prompts, {n} needed")
+    return prompts[:n]
+
+
+@torch.no_grad()
+def generate_records(model, tokenizer, prompts: list[str], max_new_tokens: int, tail_tokens: int,
+                     temperature: float = 0.0, seed: int = 0, batch_size: int = 256) -> list[Record]:
+    """The target's responses to ``prompts`` plus ``tail_tokens`` of greedy continuation after EOS."""
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    tokenizer.padding_side = "left"
+    gen = torch.Generator().manual_seed(seed)
+    records = []
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        enc = tokenizer(chunk, return_tensors="pt", padding=True)
+        width = enc["input_ids"].shape[1]
+        if temperature == 0:
+            out = model.generate(**enc, max_new_tokens=max_new_tokens + tail_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=pad)[:, width:]
+            resp = [r.tolist() for r in out]
+        else:
+            torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
+                                 top_k=0, top_p=1.0, eos_token_id=eos, pad_token_id=pad)[:, width:]
+            resp = [r.tolist() for r in out]
+        for j, prompt in enumerate(chunk):
+            ids = resp[j]
+            e = ids.index(eos) + 1 if eos in ids[:max_new_tokens] else max_new_tokens
+            response = ids[:e]
+            records.append(Record(tokenizer.encode(prompt), response, ids[e : e + tail_tokens]))
+    if temperature > 0 and tail_tokens > 0:  # greedy tails after sampled responses
+        for r in records:
+            if r.response and r.response[-1] == eos:
+                ids = torch.tensor([r.prompt + r.response])
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=tail_tokens,
+                                     do_sample=False, eos_token_id=None, pad_token_id=pad)
+                r.tail = out[0, ids.shape[1]:].tolist()
+            else:
+                r.tail = []
+    return records
+
+
+def records_to_batch(records: list[Record], model, tap_layers: list[int]) -> DraftBatch:
+    """Packed sequences (prompt + response + tail) with taps and target logits."""
+    from cotrain.draft.taps import compute_taps
+
+    ids, lens, mask, starts = [], [], [], []
+    for r in records:
+        seq = r.prompt + r.response + r.tail
+        ids += seq
+        lens.append(len(seq))
+        mask += [False] * len(r.prompt) + [True] * (len(r.response) + len(r.tail))
+        starts.append(len(r.prompt))
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(torch.tensor(lens), 0)])
+    ids_t = torch.tensor(ids, dtype=torch.int64)
+    taps, logits = compute_taps(model, ids_t, cu, tap_layers)
+    return DraftBatch(ids_t, cu, taps, torch.tensor(mask), logits, torch.tensor(starts))
+
+
+# ------------------------------------------------------------------------------------------ train
+def lr_at(step: int, total: int, opt: OptimizerConfig) -> float:
+    if opt.warmup_steps and step < opt.warmup_steps:
+        return opt.lr * (step + 1) / opt.warmup_steps
+    if opt.schedule == "cosine":
+        span = max(1, total - opt.warmup_steps)
+        t = min(1.0, (step - opt.warmup_steps) / span)
+        return opt.min_lr + 0.5 * (opt.lr - opt.min_lr) * (1 + math.cos(math.pi * t))
+    return opt.lr
+
+
+def train_step(drafter: Drafter, batch: DraftBatch, loss_name: str, optimizer: torch.optim.Optimizer,
+               clip: float, generator: torch.Generator, extra: Optional[dict] = None) -> dict:
+    """One optimizer step on ``batch``; returns metrics (loss, overlap, top1_match, grad_norm)."""
+    layout = drafter.build_layout(batch, generator)
+    out = drafter(batch, layout)
+    p = target_probs(batch.target_logits, out)
+    labels = batch.input_ids[(out.target_rows + 1).clamp(min=0, max=batch.num_tokens - 1)]
+    loss, metrics = draft_loss(loss_name, out, p, labels=labels, **(extra or {}))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    params = [q for q in drafter.parameters() if q.grad is not None]
+    gn = torch.nn.utils.clip_grad_norm_(params, clip) if clip > 0 else torch.sqrt(
+        sum((q.grad.float() ** 2).sum() for q in params))
+    optimizer.step()
+    metrics["grad_norm"] = float(gn)
+    return metrics
+
+
+def loss_extra(cfg: DistillConfig) -> dict:
+    s = cfg.draft.settings
+    out = {}
+    for name in ("l1_weight", "confidence_weight"):
+        if hasattr(s, name):
+            out[name] = float(getattr(s, name))
+    return out
+
+
+def train_drafter(drafter: Drafter, train: DraftBatch, evals: DraftBatch, cfg: DistillConfig,
+                  eos_token_id: Optional[int]) -> dict:
+    """The training loop; returns the history (train metrics per step, evaluations)."""
+    from tqdm import tqdm
+
+    opt_cfg = cfg.draft.optimizer
+    loss_name = cfg.draft.loss or cfg.draft.settings.default_loss
+    params = [q for q in drafter.parameters() if q.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=opt_cfg.lr, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps,
+                                  weight_decay=opt_cfg.weight_decay)
+    gen = torch.Generator().manual_seed(cfg.train.seed)
+    k = cfg.train.num_speculative_tokens or drafter.default_num_speculative_tokens()
+    k = min(k, drafter.draft_width)
+    history: dict[str, list] = {"step": [], "loss": [], "overlap": [], "top1_match": [], "lr": [], "step_s": [],
+                                "eval_step": [], "eval_mean_len": [], "eval_walk_len": [], "eval_per_position": []}
+    extra = loss_extra(cfg)
+
+    def evaluate(step: int) -> None:
+        rep = estimate_acceptance(drafter, evals, k=k, eos_token_id=eos_token_id)
+        history["eval_step"].append(step)
+        history["eval_mean_len"].append(rep.mean_len)
+        history["eval_walk_len"].append(rep.walk_len)
+        history["eval_per_position"].append(rep.per_position)
+
+    bar = tqdm(range(cfg.train.steps), desc=f"distill {drafter.kind}", disable=not cfg.progress_bar,
+               dynamic_ncols=True)
+    evaluate(0)
+    drafter.train()
+    for step in bar:
+        lr = lr_at(step, cfg.train.steps, opt_cfg)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        seqs = torch.randint(0, train.num_seqs, (cfg.train.batch_size,), generator=gen)
+        batch = select_sequences(train, seqs)
+        t0 = time.perf_counter()
+        m = train_step(drafter, batch, loss_name, optimizer, opt_cfg.clip_grad, gen, extra)
+        history["step"].append(step + 1)
+        history["step_s"].append(time.perf_counter() - t0)
+        history["lr"].append(lr)
+        for key in ("loss", "overlap", "top1_match"):
+            history[key].append(m[key])
+        if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0 and step + 1 < cfg.train.steps:
+            evaluate(step + 1)
+            bar.set_postfix(loss=f"{m['loss']:.3f}", acc_len=f"{history['eval_walk_len'][-1]:.2f}")
+        else:
+            bar.set_postfix(loss=f"{m['loss']:.3f}")
+    evaluate(cfg.train.steps)
+    history["k"] = k
+    history["loss_name"] = loss_name
+    return history
+
+
+def plot_curves(history: dict, path: str | Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    steps = history["step"]
+    loss = history["loss"]
+    win = max(1, len(loss) // 30)
+    smooth = [sum(loss[max(0, i - win + 1): i + 1]) / len(loss[max(0, i - win + 1): i + 1]) for i in range(len(loss))]
+    a1.plot(steps, loss, alpha=0.3, color="C0", label="train loss")
+    a1.plot(steps, smooth, color="C0", label=f"moving mean ({win})")
+    a1.set_xlabel("step")
+    a1.set_ylabel(history.get("loss_name", "loss"))
+    a1.legend()
+    a1.set_title(title)
+    a2.plot(history["eval_step"], history["eval_walk_len"], "o-", label="greedy acceptance length (serving walk)")
+    a2.plot(history["eval_step"], history["eval_mean_len"], "s--", label="mean over all anchors")
+    a2.set_xlabel("step")
+    a2.set_ylabel(f"acceptance length (k={history.get('k')})")
+    a2.legend()
+    a2.set_title("held-out offline acceptance")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -------------------------------------------------------------------------------------------- run
+def prepare_data(cfg: DistillConfig, model, tokenizer, tap_layers: list[int]) -> tuple[DraftBatch, DraftBatch]:
+    d = cfg.data
+    prompts = load_prompts(d, d.num_prompts + d.eval_prompts, d.seed)
+    records = generate_records(model, tokenizer, prompts, d.max_new_tokens, d.tail_tokens, d.temperature, d.seed)
+    return (records_to_batch(records[: d.num_prompts], model, tap_layers),
+            records_to_batch(records[d.num_prompts:], model, tap_layers))
+
+
+def distill(cfg: DistillConfig) -> dict:
+    """Run an offline distillation; returns the summary written to metrics.json."""
+    from transformers import AutoTokenizer
+
+    from cotrain.draft.export import export_drafter
+    from cotrain.draft.taps import TargetSpec, load_hf_target
+    from cotrain.models.build_tiny import resolve_model_path
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    t_start = time.time()
+    target_path = resolve_model_path(cfg.target)
+    model = load_hf_target(target_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(target_path))
+    target = TargetSpec.from_checkpoint(target_path)
+    drafter = build_drafter(cfg.draft.kind, cfg.draft.settings, target, seed=cfg.train.seed)
+    t0 = time.time()
+    train, evals = prepare_data(cfg, model, tokenizer, drafter.tap_layers)
+    t_data = time.time() - t0
+    history = train_drafter(drafter, train, evals, cfg, target.eos_token_id)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {
+        "kind": cfg.draft.kind, "target": str(target_path), "loss": history["loss_name"], "k": history["k"],
+        "steps": cfg.train.steps, "final_loss": sum(history["loss"][-10:]) / len(history["loss"][-10:]),
+        "acceptance_walk_len": history["eval_walk_len"][-1], "acceptance_mean_len": history["eval_mean_len"][-1],
+        "acceptance_per_position": history["eval_per_position"][-1],
+        "train_step_s": sorted(history["step_s"])[len(history["step_s"]) // 2],
+        "data_s": round(t_data, 2), "total_s": round(time.time() - t_start, 2),
+        "train_sequences": train.num_seqs, "eval_sequences": evals.num_seqs,
+        "trainable_params": sum(q.numel() for q in drafter.parameters() if q.requires_grad),
+    }
+    export_drafter(drafter, out / "drafter", metadata={"distill": summary, "config": cfg.model_dump(mode="json")})
+    (out / "metrics.json").write_text(json.dumps({"summary": summary, "history": history}, indent=1))
+    plot_curves(history, out / "curves.png", f"{cfg.draft.kind} distillation ({history['loss_name']})")
+    summary["drafter_dir"] = str(out / "drafter")
+    return summary
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cotrain.draft.distill", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", help="YAML file (defaults: allowed)")
+    ap.add_argument("--validate-only", action="store_true", help="check the config and exit")
+    ap.add_argument("overrides", nargs="*", help="key.path=value")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_distill_config(args.config, args.overrides)
+    except (ValidationError, ValueError) as e:
+        print(f"invalid distillation config: {e}", file=sys.stderr)
+        return 2
+    if args.validate_only:
+        print(cfg.model_dump_json(indent=1))
+        return 0
+    summary = distill(cfg)
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
