@@ -217,9 +217,8 @@ class VllmGeneration(GenerationBackend):
         """Load a handle made by a trainer's :class:`WeightTransport` (the sender releases it)."""
         from cotrain.rl.vllm_ext import push_handle
 
-        if kind == "draft" and not self.speculative:
-            raise WeightPushError("draft push into an engine without speculative decoding (set "
-                                  "rollout.speculative.method to a drafter method)")
+        if kind == "draft":
+            _require_drafter(self.llm.llm_engine.vllm_config.speculative_config)
         version = int(handle.get("version", 0) if version is None else version)
         stats = push_handle(self.llm, kind, handle, version)
         if kind == "draft":
@@ -404,6 +403,8 @@ class RolloutGroup(GenerationBackend):
         """Raise :class:`WeightPushError` unless a push with this manifest would be accepted."""
         if kind not in ("policy", "draft"):
             raise ValueError(f"kind={kind!r} (allowed: policy, draft)")
+        if kind == "draft":
+            _require_drafter(self.spec.speculative)
         exp = self.expected_manifest(kind)
         check_manifest(manifest, {n: (s, d) for n, (s, d) in exp["expected"].items()}, kind=kind,
                        forbidden=exp["forbidden"])
@@ -480,6 +481,17 @@ class RolloutGroup(GenerationBackend):
                 pass
             ray.kill(a)
         self.actors = []
+
+
+def _require_drafter(speculative) -> None:
+    """A draft push needs a drafter network (not off, not ``ngram``)."""
+    if not speculative:
+        raise WeightPushError("draft push into an engine without speculative decoding (set "
+                              "rollout.speculative.method to a drafter method: draft_model, eagle3, dflash, ...)")
+    method = speculative.get("method") if isinstance(speculative, dict) else getattr(speculative, "method", None)
+    if method in ("ngram", "suffix"):
+        raise WeightPushError(f"draft push into an engine whose speculative method {method!r} has no drafter "
+                              "weights (allowed: draft_model, eagle3, dflash, ...)")
 
 
 def _unwrap(e: Exception) -> str:

@@ -295,3 +295,13 @@ def test_nccl_broadcast_between_gpus():
     p.join(60)
     t.close()
     assert all(torch.equal(got[n], w[n].cpu()) for n in w)
+
+
+def test_draft_pushes_need_a_drafter_network():
+    from cotrain.rl.rollout import _require_drafter
+
+    _require_drafter({"method": "draft_model", "model": "/d"})
+    with pytest.raises(WeightPushError, match="without speculative decoding"):
+        _require_drafter(None)
+    with pytest.raises(WeightPushError, match="'ngram' has no drafter weights"):
+        _require_drafter({"method": "ngram"})
