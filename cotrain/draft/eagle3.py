@@ -81,7 +81,11 @@ class Eagle3Drafter(Drafter):
         self.lm_head = nn.Linear(H, a.vocab_size, bias=False)
         init_linear_(self, generator=generator)
         with torch.no_grad():
-            self.lm_head.weight.copy_(target.lm_head)
+            # the target's head plus a little noise: vLLM aliases a drafter head that is *identical* to
+            # the target's, after which run-time pushes of lm_head are refused (they would overwrite
+            # the target's); the noise keeps the two apart from the start
+            noise = torch.randn(target.lm_head.shape, generator=generator) * 1e-4
+            self.lm_head.weight.copy_(target.lm_head + noise)
             self.norm.weight.copy_(target.final_norm)
 
     def extra_checks(self, cfg: DraftKindConfig, target: TargetSpec) -> list[tuple[str, str]]:

@@ -1,0 +1,89 @@
+"""Rank function of the CP test: every drafter family on zigzag shards of a CP group."""
+
+import torch
+
+from cotrain.draft.common import DraftBatch
+from cotrain.draft.losses import soft_ce
+from cotrain.draft.registry import build_drafter
+from cotrain.draft.taps import TargetSpec
+from cotrain.parallel import zigzag_shard
+
+SETTINGS = {"eagle3": {"ttt_steps": 3}, "dflash": {"block_size": 4, "anchors_per_seq": 3},
+            "dspark": {"block_size": 3, "anchors_per_seq": 3}}
+LENS = (13, 6, 21)
+
+
+def make_batch(drafter, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(LENS)
+    ids = torch.randint(4, 100, (T,), generator=g)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(torch.tensor(LENS), 0)])
+    pos = torch.cat([torch.arange(n) for n in LENS])
+    taps = torch.randn(T, drafter.num_taps * drafter.target_arch.hidden_size, generator=g)
+    logits = torch.randn(T, drafter.target_arch.vocab_size, generator=g) * 3
+    return DraftBatch(ids, cu, taps, pos >= 2, logits, torch.full((len(LENS),), 2))
+
+
+def run_family(kind, target_path, rank, cp, group=None):
+    """Chains (bonus, logits, valid) and grads of a soft-CE step (normalised by the global count)."""
+    target = TargetSpec.from_checkpoint(target_path)
+    d = build_drafter(kind, SETTINGS[kind], target, seed=3)
+    full = make_batch(d)
+    layout = d.build_layout(full, torch.Generator().manual_seed(11), cp_size=cp)
+    if cp > 1:
+        batch = DraftBatch(full.input_ids, full.cu_seqlens, zigzag_shard(full.taps, layout, rank), full.loss_mask,
+                           None, full.response_start)
+    else:
+        batch = full
+    out = d(batch, layout, group=group)
+    # targets: the full target logits (a caller under CP fetches these rows from their owners)
+    p = torch.softmax(full.target_logits[out.target_rows.clamp(min=0)], -1)
+    n_global = int(d(full, layout.with_cp(1)).valid.sum())
+    loss = soft_ce(out.logits, p, out.valid) * out.valid.sum() / n_global
+    loss.backward()
+    grads = {n: q.grad.clone() if q.grad is not None else torch.zeros_like(q) for n, q in d.named_parameters()}
+    return {"bonus": out.bonus_pos, "logits": out.logits.detach(), "valid": out.valid, "grads": grads}
+
+
+def rank_fn(rank, world, target_path):
+    torch.manual_seed(0)
+    return {kind: run_family(kind, target_path, rank, world, group=None) for kind in SETTINGS}
+
+
+# ----------------------------------------------------------------------------- a gloo world
+def _entry(rank, fn, world_size, port, outdir, args):
+    import os
+    import pickle
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(fn, world_size, *args):
+    """fn(rank, world_size, *args) on each rank of a fresh gloo group (spawned); results by rank."""
+    import os
+    import pickle
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.start_processes(_entry, args=(fn, world_size, port, outdir, args), nprocs=world_size, join=True,
+                           start_method="spawn")
+        out = []
+        for rank in range(world_size):
+            with open(os.path.join(outdir, f"rank{rank}.pkl"), "rb") as f:
+                out.append(pickle.load(f))
+    return out

@@ -1,0 +1,25 @@
+"""The drafters under context parallelism (CP = 2, gloo): same chains and gradients as CP = 1."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+
+def test_cp2_matches_cp1(tiny_model_path, one_thread):
+    import _cp_draft
+
+    ranks = _cp_draft.run_world(_cp_draft.rank_fn, 2, str(tiny_model_path))
+    for kind in _cp_draft.SETTINGS:
+        ref = _cp_draft.run_family(kind, str(tiny_model_path), 0, 1)
+        bonus = torch.cat([r[kind]["bonus"] for r in ranks])
+        order = torch.argsort(bonus)
+        assert torch.equal(bonus[order], ref["bonus"]), kind  # every chain exactly once, on its anchor's owner
+        assert all(r[kind]["bonus"].numel() > 0 for r in ranks), kind  # both ranks own some
+        logits = torch.cat([r[kind]["logits"] for r in ranks])[order]
+        valid = torch.cat([r[kind]["valid"] for r in ranks])[order]
+        assert torch.equal(valid, ref["valid"])
+        torch.testing.assert_close(logits, ref["logits"], atol=2e-5, rtol=2e-5)
+        for name, g in ref["grads"].items():
+            total = sum(r[kind]["grads"][name] for r in ranks)
+            torch.testing.assert_close(total, g, atol=5e-5, rtol=5e-4, msg=f"{kind} {name}")

@@ -1,0 +1,141 @@
+"""Export to vLLM's drafter formats: names, shapes, config keys, round trips; DSpark through vLLM's class."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cotrain.draft.common import DraftBatch
+from cotrain.draft.export import export_drafter, load_drafter, read_export, speculative_config
+from cotrain.draft.registry import build_drafter
+
+H, I, Q, KV, D, V = 128, 384, 128, 64, 32, 128  # tiny target: hidden, mlp, q rows, k/v rows, head dim, vocab
+
+LAYER_QWEN = {"self_attn.q_proj.weight": (Q, H), "self_attn.k_proj.weight": (KV, H), "self_attn.v_proj.weight": (KV, H),
+              "self_attn.o_proj.weight": (H, Q), "self_attn.q_norm.weight": (D,), "self_attn.k_norm.weight": (D,),
+              "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
+              "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,)}
+
+
+def expected_names(kind, rank=16):
+    if kind == "eagle3":  # vLLM's Eagle3LlamaForCausalLM: midlayer (2H-wide q/k/v input), own lm_head
+        layer = {k: v for k, v in LAYER_QWEN.items() if "_norm" not in k or "layernorm" in k}
+        layer = {k: ((v[0], 2 * H) if k.split(".")[1] in ("q_proj", "k_proj", "v_proj") else v) for k, v in layer.items()}
+        layer["hidden_norm.weight"] = (H,)
+        out = {f"midlayer.{k}": v for k, v in layer.items()}
+        out.update({"fc.weight": (H, 3 * H), "norm.weight": (H,), "lm_head.weight": (V, H)})
+        return out
+    out = {f"layers.0.{k}": v for k, v in LAYER_QWEN.items()}
+    out.update({"fc.weight": (H, 2 * H), "hidden_norm.weight": (H,), "norm.weight": (H,)})
+    if kind == "dspark":
+        out.update({"markov_head.markov_w1.weight": (V, rank), "markov_head.markov_w2.weight": (V, rank),
+                    "confidence_head.proj.weight": (1, H), "confidence_head.proj.bias": (1,)})
+    return out
+
+
+SETTINGS = {"eagle3": {"ttt_steps": 3}, "dflash": {"block_size": 5},
+            "dspark": {"block_size": 4, "markov_rank": 16, "confidence_head": True}}
+
+
+def tiny_batch(d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lens = (10, 8)
+    ids = torch.randint(4, 100, (18,), generator=g)
+    taps = torch.randn(18, d.num_taps * H, generator=g)
+    return DraftBatch(ids, [0, 10, 18], taps, None, None, torch.tensor([3, 3]))
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "dspark"])
+def test_names_shapes_and_round_trip(target, tmp_path, kind):
+    d = build_drafter(kind, SETTINGS[kind], target, seed=1)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # every tensor distinct from its initial value
+    state = d.vllm_state_dict()
+    assert {k: tuple(v.shape) for k, v in state.items()} == expected_names(kind)
+    # one to one: every trainable parameter is exported exactly once, nothing of the target is
+    assert sum(v.numel() for v in state.values()) == sum(p.numel() for p in d.parameters())
+    assert not any("embed_tokens" in n for n in state)
+    assert ("lm_head.weight" in state) == (kind == "eagle3")  # DFlash/DSpark use the target's head
+
+    out = export_drafter(d, tmp_path / kind)
+    config, meta, saved = read_export(out)
+    assert set(saved) == set(state) and all(torch.equal(saved[k], state[k]) for k in state)
+    back = load_drafter(out, target)
+    assert type(back) is type(d) and back.cfg == d.cfg
+    b = tiny_batch(d)
+    lay = d.build_layout(b, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(back.eval()(b, lay).logits, d.eval()(b, lay).logits, atol=0, rtol=0)
+    other = build_drafter(kind, SETTINGS[kind], target, seed=2)
+    with torch.no_grad():
+        assert not torch.allclose(other.eval()(b, lay).logits, d(b, lay).logits)
+    other.load_vllm_state_dict(saved)
+    with torch.no_grad():
+        torch.testing.assert_close(other(b, lay).logits, d(b, lay).logits, atol=0, rtol=0)
+    with pytest.raises(KeyError, match="missing"):
+        other.load_vllm_state_dict({k: v for k, v in saved.items() if k != "fc.weight"})
+    with pytest.raises(ValueError, match="shape"):
+        other.load_vllm_state_dict({**saved, "norm.weight": torch.zeros(3)})
+
+
+def test_config_json_conventions(target, tmp_path):
+    # tiny target, 4 layers: cotrain taps are layer outputs; vLLM ids are "residual entering layer"
+    e3 = export_drafter(build_drafter("eagle3", {"tap_layers": [0, 1, 3], "ttt_steps": 3}, target), tmp_path / "e")
+    c = json.loads((e3 / "config.json").read_text())
+    assert c["architectures"] == ["LlamaForCausalLMEagle3"] and c["model_type"] == "llama"
+    assert c["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]  # used as given by vLLM: taps + 1
+    assert (c["num_aux_hidden_states"], c["target_hidden_size"], c["draft_vocab_size"]) == (3, H, V)
+    assert c["num_hidden_layers"] == 1 and c["head_dim"] == D and c["num_key_value_heads"] == 2
+
+    df = export_drafter(build_drafter("dflash", {"tap_layers": [1, 2], "block_size": 6}, target), tmp_path / "d")
+    c = json.loads((df / "config.json").read_text())
+    assert c["architectures"] == ["DFlashDraftModel"] and c["model_type"] == "qwen3"
+    assert c["dflash_config"]["target_layer_ids"] == [1, 2]  # "output of layer i": vLLM adds 1 itself
+    assert c["dflash_config"]["mask_token_id"] == target.mask_token_id == 3
+    assert c["dflash_config"]["causal"] is False and c["layer_types"] == ["full_attention"]
+    assert speculative_config(df) == {"method": "dflash", "model": str(df), "num_speculative_tokens": 5}
+
+    ds = export_drafter(build_drafter("dspark", {"block_size": 7, "markov_rank": 8}, target), tmp_path / "s")
+    c = json.loads((ds / "config.json").read_text())
+    assert c["architectures"] == ["Qwen3DSparkModel"] and c["model_type"] == "qwen3"
+    assert (c["dspark_block_size"], c["dspark_noise_token_id"], c["markov_rank"], c["markov_head_type"]) == (7, 3, 8,
+                                                                                                          "vanilla")
+    assert c["sample_from_anchor"] is True and c["enable_confidence_head"] is False
+    assert speculative_config(ds)["num_speculative_tokens"] == 7  # anchor-as-first: block = drafts
+
+    two = build_drafter("eagle3", {"num_layers": 2}, target)
+    names = two.vllm_state_dict()
+    assert "layers.0.self_attn.q_proj.weight" in names and names["layers.1.self_attn.q_proj.weight"].shape == (Q, H)
+
+
+@pytest.mark.slow
+def test_dspark_export_runs_in_vllms_dspark_class(target, tiny_model_path, tmp_path, one_thread):
+    """vLLM serves DSpark only on GPU; on CPU its model class still loads our checkpoint, and its
+    modules reproduce our drafter's logits (Markov head included) and confidence."""
+    d = build_drafter("dspark", {"block_size": 4, "markov_rank": 8, "confidence_head": True}, target, seed=5)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    out = export_drafter(d, tmp_path / "dspark")
+    g = torch.Generator().manual_seed(1)
+    lens, anchors = [12, 9], [6, 4]
+    ids = torch.randint(4, 100, (sum(lens),), generator=g)
+    taps = torch.randn(sum(lens), d.num_taps * H, generator=g)
+    b = DraftBatch(ids, [0, 12, 21], taps, None, None, torch.tensor([3, 3]))
+    lay = d.build_layout(b, anchors=torch.tensor([anchors[0], lens[0] + anchors[1]]))
+    with torch.no_grad():
+        ours = d.eval()(b, lay)
+    seqs = [ids[:12], ids[12:]]
+    torch.save({"ids": seqs, "taps": [taps[:12], taps[12:]], "anchors": anchors, "block_size": 4}, tmp_path / "in.pt")
+    helper = Path(__file__).with_name("_vllm_dspark_forward.py")
+    res = subprocess.run([sys.executable, str(helper), str(out), str(tiny_model_path), str(tmp_path / "in.pt"),
+                          str(tmp_path / "out.pt")], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    theirs = torch.load(tmp_path / "out.pt")
+    assert theirs["config"] == {"markov_rank": 8, "block": 4, "layer_ids": [0, 3]}
+    torch.testing.assert_close(theirs["logits"], ours.logits, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(theirs["confidence"], torch.sigmoid(ours.confidence), atol=1e-5, rtol=1e-5)
