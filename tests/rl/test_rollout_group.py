@@ -144,3 +144,16 @@ def test_policy_push_reaches_every_engine(group, hf):
     assert group.weight_version() == 3
     group.push_weights("policy", {k: v.detach().clone() for k, v in model.state_dict().items()}, 5)
     assert [g[0].text for g in group.generate(PROMPTS, GREEDY).samples] == greedy_answers(model, tok, PROMPTS, 8)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_speculative_sampling_logprobs_match_hf(group, hf, temperature):
+    """With speculative decoding the reported log-probs are still the target's (fp32: ~exact)."""
+    from _rollout_helpers import token_logprobs
+
+    model, tok = hf
+    res = group.generate(PROMPTS, SamplingSpec(temperature=temperature, max_tokens=12, seed=3), n=4)
+    d = torch.cat([(torch.tensor(s.logprobs) - token_logprobs(model, s.prompt_token_ids, s.token_ids, temperature)).abs()
+                   for g in res.samples for s in g])
+    assert res.metrics["num_accepted_draft_tokens"] > 0
+    assert d.mean() < 1e-4 and d.max() < 1e-3, (d.mean().item(), d.max().item())
