@@ -37,6 +37,7 @@ from cotrain.rl.weight_transport import (
     make_transport,
     manifest_of,
     resolve_transport_name,
+    shared_name_reasons,
 )
 
 Prompt = str | list[int]
@@ -226,7 +227,7 @@ class VllmGeneration(GenerationBackend):
         return stats
 
     def expected_manifest(self, kind: WeightKind = "policy") -> dict[str, Any]:
-        """What a push of ``kind`` must carry (``{"expected": {name: [shape, dtype]}, "forbidden": {..}}``)."""
+        """What a push of ``kind`` must carry (``{"expected": {name: [shape, dtype]}, "shared": [...]}``)."""
         if kind not in self._manifests:
             self._manifests[kind] = self.llm.collective_rpc("cotrain_expected_manifest", args=(kind,))[0]
         return self._manifests[kind]
@@ -407,7 +408,7 @@ class RolloutGroup(GenerationBackend):
             _require_drafter(self.spec.speculative)
         exp = self.expected_manifest(kind)
         check_manifest(manifest, {n: (s, d) for n, (s, d) in exp["expected"].items()}, kind=kind,
-                       forbidden=exp["forbidden"])
+                       forbidden=shared_name_reasons([row[0] for row in manifest], exp["shared"]))
 
     def push_weights(self, kind: WeightKind, named_tensors: dict[str, torch.Tensor], version: int) -> dict[str, Any]:
         self.check(kind, manifest_of(named_tensors))

@@ -44,9 +44,11 @@ import torch
 from cotrain.rl.weight_transport import (
     NcclBroadcastTransport,
     WeightPushError,
+    SHARED_KEYS,
     WeightTransport,
     check_manifest,
     dtype_name,
+    shared_name_reasons,
     make_transport,
     receiver_for,
     total_bytes,
@@ -54,7 +56,6 @@ from cotrain.rl.weight_transport import (
 
 BACKEND_NAME = "cotrain"
 WORKER_EXTENSION = "cotrain.rl.vllm_ext.CotrainWorkerExtension"
-SHARED_KEYS = ("lm_head", "embed_tokens")  # modules a drafter may borrow from the target
 
 
 def extension_kwargs() -> dict[str, Any]:
@@ -146,16 +147,6 @@ def shared_with_target(draft: torch.nn.Module, target: torch.nn.Module) -> set[s
         if id(p) in target_ids:
             shared.update(k for k in SHARED_KEYS if k in name.split("."))
     return shared
-
-
-def _forbidden_names(names: list[str], shared: set[str]) -> dict[str, str]:
-    out = {}
-    for n in names:
-        hit = [k for k in shared if k in n.split(".")]
-        if hit:
-            out[n] = (f"the drafter shares {hit[0]} with the target; a draft push carries only the drafter's own "
-                      "parameters (push the target's through a policy push)")
-    return out
 
 
 # ----------------------------------------------------------------------------- DFlash buffers
@@ -280,22 +271,20 @@ def _make_engine_cls():
         def is_draft(self) -> bool:
             return self.model is not self._default_model
 
-        def expected(self) -> tuple[dict, dict[str, str]]:
-            kind = "draft" if self.is_draft else "policy"
+        def expected(self) -> tuple[dict, set[str]]:
+            """(checkpoint manifest minus what the drafter borrows, borrowed module keys)."""
             path = str(self.model_config.model)
             if path not in self._manifests:
                 self._manifests[path] = checkpoint_manifest(path)
             exp = dict(self._manifests[path])
-            forbidden: dict[str, str] = {}
-            if kind == "draft":
+            shared: set[str] = set()
+            if self.is_draft:
                 if self._shared is None:
                     self._shared = shared_with_target(self.model, self._default_model)
-                forbidden = _forbidden_names(list(exp), self._shared)
-                for n in forbidden:
+                shared = self._shared
+                for n in shared_name_reasons(list(exp), shared):
                     exp.pop(n)
-                # a name the checkpoint lacks but the drafter borrows is still named in the error
-                forbidden.update(_forbidden_names([f"{k}.weight" for k in self._shared], self._shared))
-            return exp, forbidden
+            return exp, shared
 
         # -- the push
         def start_weight_update(self) -> None:
@@ -322,9 +311,10 @@ def _make_engine_cls():
             kind = "draft" if self.is_draft else "policy"
             if not isinstance(handle, dict) or "manifest" not in handle:
                 raise WeightPushError(f"update_info.handle must be a weight handle dict (got {type(handle).__name__})")
-            expected, forbidden = self.expected()
+            expected, shared = self.expected()
             receiver = receiver_for(handle, self._receivers)
             try:
+                forbidden = shared_name_reasons([row[0] for row in handle["manifest"]], shared)
                 check_manifest(handle["manifest"], expected, kind=kind, forbidden=forbidden, require_all=True)
             except WeightPushError:
                 if handle.get("transport") == "nccl":
@@ -334,8 +324,15 @@ def _make_engine_cls():
             t_recv = time.perf_counter()
             # validated: from here on the model changes (vLLM's own layerwise reload, in place)
             initialize_layerwise_reload(self.model)
-            with disable_mtp_completeness_check():
-                self.model.load_weights(iter(tensors.items()))
+            try:
+                with disable_mtp_completeness_check():
+                    self.model.load_weights(iter(tensors.items()))
+            except BaseException as e:
+                # never leave layers on the meta device: put back what was not loaded
+                finalize_layerwise_reload(self.model, self.model_config)
+                raise RuntimeError(f"{kind} push of version {handle.get('version')} failed while loading, after "
+                                   f"validation; some layers may hold the new weights: push a full set again "
+                                   f"({type(e).__name__}: {e})") from e
             finalize_layerwise_reload(self.model, self.model_config)
             dflash = bool(kind == "draft" and rebuild_dflash_context_kv(self.model, tensors))
             self.pushes += 1
@@ -367,24 +364,16 @@ class CotrainWorkerExtension:
                 if self.get_draft_model() is not None else None}  # type: ignore[attr-defined]
 
     def cotrain_expected_manifest(self, kind: str = "policy") -> dict[str, Any]:
-        """What a push of ``kind`` must carry: ``{"expected": {name: [shape, dtype]}, "forbidden": {...}}``."""
+        """What a push of ``kind`` must carry: ``{"expected": {name: [shape, dtype]}, "shared": [...]}``
+        (``shared``: the target modules the drafter borrows, whose names a draft push must not carry)."""
         eng = self.weight_transfer_engine  # type: ignore[attr-defined]
         if kind == "draft":
             self._set_draft_weight_update_target()  # type: ignore[attr-defined]
         try:
-            exp, forbidden = eng.expected()
+            exp, shared = eng.expected()
         finally:
             eng.reset_weight_update_target()
-        return {"expected": {n: [s, d] for n, (s, d) in exp.items()}, "forbidden": forbidden}
-
-    def cotrain_named_weights(self, kind: str = "policy", names: list[str] | None = None) -> dict[str, bytes]:
-        """Selected live parameters (vLLM names) as safetensors bytes, for tests and debugging."""
-        from safetensors.torch import save
-
-        model = self.get_draft_model() if kind == "draft" else self.get_model()  # type: ignore[attr-defined]
-        sel = {n: p.detach().to("cpu").contiguous() for n, p in model.named_parameters()
-               if names is None or n in names}
-        return save(sel)
+        return {"expected": {n: [s, d] for n, (s, d) in exp.items()}, "shared": sorted(shared)}
 
 
 # import-time work inside vLLM's worker processes (and harmless elsewhere)
@@ -464,5 +453,5 @@ __all__ = [
     "BACKEND_NAME", "WORKER_EXTENSION", "extension_kwargs", "push_weights", "push_handle", "push_draft_weights",
     "engine_status", "install_cpu_rejection_sampler_fix", "cpu_rejection_sampler_fixed", "checkpoint_manifest",
     "shared_with_target", "rebuild_dflash_context_kv", "register_backend", "CotrainWorkerExtension",
-    "WeightPushError", "dtype_name",
+    "WeightPushError", "dtype_name", "SHARED_KEYS",
 ]

@@ -128,6 +128,22 @@ def check_manifest(
         raise WeightPushError(f"{kind} weight push rejected: " + " | ".join(problems))
 
 
+SHARED_KEYS = ("lm_head", "embed_tokens")  # target modules a drafter may borrow (EAGLE-3, DFlash)
+
+
+def shared_name_reasons(names: Iterable[str], shared: Iterable[str]) -> dict[str, str]:
+    """``{name: why}`` for the names that fall in a module the drafter borrows from the target
+    (``shared`` holds keys of :data:`SHARED_KEYS`): a draft push must not carry them."""
+    shared = set(shared)
+    out = {}
+    for n in names:
+        hit = [k for k in SHARED_KEYS if k in shared and k in n.split(".")]
+        if hit:
+            out[n] = (f"the drafter shares {hit[0]} with the target; a draft push carries only the drafter's own "
+                      "parameters (push the target's through a policy push)")
+    return out
+
+
 def check_received(handle: dict, tensors: dict[str, torch.Tensor]) -> None:
     """The tensors a transport delivered are exactly what the handle's manifest announced."""
     want = {n: (list(s), d) for n, s, d in handle["manifest"]}
@@ -512,6 +528,7 @@ def total_bytes(tensors: Iterable[torch.Tensor]) -> int:
 __all__ = [
     "TRANSPORTS", "WeightPushError", "ShmTransport", "CudaIpcTransport", "NcclBroadcastTransport",
     "make_transport", "resolve_transport_name", "receiver_for", "check_manifest", "check_received",
-    "manifest_of", "dtype_name", "dtype_from_name", "receive_cuda_ipc", "total_bytes",
+    "manifest_of", "dtype_name", "dtype_from_name", "receive_cuda_ipc", "total_bytes", "SHARED_KEYS",
+    "shared_name_reasons",
 ]
 

@@ -91,6 +91,7 @@ def test_dflash_draft_pushes_apply_and_stay_lossless(worker, hf, drafters):
 @pytest.mark.parametrize("name, pattern", [
     ("lm_head.weight", r"not allowed in a draft push: 'lm_head.weight' \(the drafter shares lm_head"),
     ("embed_tokens.weight", r"not allowed in a draft push: 'embed_tokens.weight' \(the drafter shares embed_tokens"),
+    ("model.embed_tokens.weight", r"not allowed in a draft push: 'model.embed_tokens.weight'"),
     (None, r"1 missing name\(s\): 'fc.weight'"),
 ])
 def test_dflash_push_refuses_shared_and_incomplete(worker, hf, drafters, name, pattern):

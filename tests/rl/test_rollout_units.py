@@ -100,7 +100,8 @@ def test_check_manifest_forbidden_names():
 
 
 def test_shared_with_target_is_by_identity():
-    from cotrain.rl.vllm_ext import _forbidden_names, shared_with_target
+    from cotrain.rl.vllm_ext import shared_with_target
+    from cotrain.rl.weight_transport import shared_name_reasons
 
     target = torch.nn.Module()
     target.lm_head = torch.nn.Linear(4, 4)
@@ -111,8 +112,9 @@ def test_shared_with_target_is_by_identity():
     draft.model = torch.nn.Module()
     draft.model.embed_tokens = torch.nn.Embedding(8, 4)  # its own (a separate draft model)
     assert shared_with_target(draft, target) == {"lm_head"}
-    assert list(_forbidden_names(["lm_head.weight", "model.embed_tokens.weight", "fc.weight"], {"lm_head"})) == [
-        "lm_head.weight"]
+    names = ["lm_head.weight", "model.embed_tokens.weight", "fc.weight", "model.lm_head_bias"]
+    assert list(shared_name_reasons(names, {"lm_head"})) == ["lm_head.weight"]
+    assert list(shared_name_reasons(names, {"lm_head", "embed_tokens"})) == names[:2]
 
 
 def test_checkpoint_manifest_reads_headers(tmp_path):
