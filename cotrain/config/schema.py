@@ -614,9 +614,9 @@ class GrpoConfig(StrictModel):
 class ArithmeticConfig(StrictModel):
     """The built-in arithmetic task (final answer checked exactly)."""
 
-    digits: Annotated[int, Field(ge=1, le=9)] = 3
+    digits: Annotated[int, Field(ge=1, le=9)] = 2
     """Most digits per operand (each operand has 1..digits digits). The built-in tiny model is
-    warm-started on 3 digits with '+'."""
+    warm-started on 2 digits with '+'."""
     ops: Annotated[list[Literal["+", "-", "*"]], Field(min_length=1)] = ["+"]
     """Operators to draw from."""
     num_prompts: PosInt = 1000

@@ -61,6 +61,14 @@ def train_inference_kl(batch: TrainBatch) -> dict[str, float]:
             "kl/train_infer_max_abs_diff": (rollout - train).abs().max().item()}
 
 
+def rollout_metrics(gm: dict[str, float]) -> dict[str, float]:
+    m = {"rollout/tokens_per_s": gm["tokens_per_s"]}
+    if "mean_acceptance_length" in gm:
+        m["spec/acceptance_length"] = gm["mean_acceptance_length"]
+        m["spec/draft_acceptance_rate"] = gm["draft_acceptance_rate"]
+    return m
+
+
 def init_ray(cfg) -> None:
     import ray
 
@@ -113,7 +121,7 @@ class GrpoRun:
         self.state = DriverState()
         init_ray(cfg)
         self.trainer = TrainerGroup(cfg, self.model_path)
-        self.rollout = RolloutGroup.from_config(cfg, self.model_path)
+        self.rollout = RolloutGroup.from_config(cfg, model_path=self.model_path)
         resume_dir = self.ckpt.resolve(resume) if resume else None
         if resume_dir is not None:
             self.trainer.load_checkpoint(str(resume_dir))
@@ -159,7 +167,7 @@ class GrpoRun:
         })
         if "kl_ref" in train_metrics:
             m["kl/ref"] = train_metrics["kl_ref"]
-        m.update(gen.metrics)
+        m.update(rollout_metrics(gen.metrics))
         return m
 
     def push_policy(self, version: int) -> None:
@@ -167,9 +175,7 @@ class GrpoRun:
         try:
             self.rollout.push_handle("policy", handle, version)
         finally:
-            from cotrain.rl.weight_transport import receiver_for
-
-            receiver_for(handle).release(handle)
+            self.trainer.release_export(handle)
 
     def evaluate(self) -> dict[str, float]:
         e = self.cfg.data.eval

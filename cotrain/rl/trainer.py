@@ -222,9 +222,17 @@ class MegatronPolicyWorker:
         state = self.full_policy_state()
         if state is None:
             return None
-        from cotrain.rl.weight_transport import make_transport
+        if getattr(self, "_transport", None) is None:
+            from cotrain.rl.weight_transport import make_transport
 
-        return make_transport(transport_name).send(state, version)
+            # kept for the run: CUDA IPC exports stay valid only while the sender holds the tensors
+            self._transport = make_transport(transport_name)
+        return self._transport.send(state, version)
+
+    def release_export(self, handle: dict) -> None:
+        """Free an exported handle once every engine has loaded it (rank 0 holds it)."""
+        if self.rank == 0:
+            self._transport.release(handle)
 
     def save_checkpoint(self, directory: str) -> None:
         from cotrain.rl.checkpoint import atomic_torch_save

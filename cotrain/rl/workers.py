@@ -73,6 +73,9 @@ class TrainerGroup(TrainingBackend):
         (handle,) = [h for h in self._all("export_policy", version, transport) if h is not None]
         return handle
 
+    def release_export(self, handle: dict) -> None:
+        ray.get(self.actors[0].call.remote("release_export", handle))
+
     def save_checkpoint(self, directory: str) -> None:
         self._all("save_checkpoint", str(directory))
 
