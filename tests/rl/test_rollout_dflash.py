@@ -34,7 +34,8 @@ def drafters(tmp_path_factory, hf):
     model, tok = hf
     arch = model.config.to_dict()
     root = tmp_path_factory.mktemp("dflash")
-    kw = dict(target_layer_ids=(0, 2), mask_token_id=tok.pad_token_id)
+    L = model.config.num_hidden_layers
+    kw = dict(target_layer_ids=(0, L // 2), mask_token_id=tok.pad_token_id)
     return (root / "a", make_dflash_drafter(root / "a", arch, seed=0, **kw),
             make_dflash_drafter(root / "b", arch, seed=1, **kw))
 

@@ -117,21 +117,27 @@ def test_policy_push_then_greedy_matches_hf(worker, hf):
 
 
 def _bad_pushes(state: dict[str, torch.Tensor]):
-    name = "model.layers.0.self_attn.k_proj.weight"  # [64, 128]
+    """(label, push, expected message) for each way a push can be wrong; sizes from the state."""
+    name = "model.layers.0.self_attn.k_proj.weight"  # not square (GQA), so its transpose is wrong
+    rows, cols = state[name].shape
+    up = state["model.layers.0.mlp.up_proj.weight"]
+    last = max(int(k.split(".")[2]) for k in state if k.startswith("model.layers."))
     unknown = dict(state)
-    unknown["model.layers.9.mlp.up_proj.weight"] = torch.zeros(384, 128)
+    unknown[f"model.layers.{last + 5}.mlp.up_proj.weight"] = torch.zeros_like(up)
     shape = dict(state)
     shape[name] = state[name].t().contiguous()
-    missing = {k: v for k, v in state.items() if "layers.3." not in k}
+    missing = {k: v for k, v in state.items() if f"layers.{last}." not in k}
     dtype = dict(state)
-    dtype["model.norm.weight"] = torch.ones(128, dtype=torch.int64)
+    dtype["model.norm.weight"] = torch.ones(state["model.norm.weight"].shape, dtype=torch.int64)
     renamed = {k.replace("model.layers.", "decoder.layers."): v for k, v in state.items()}
+    n_missing, n_layers = len(state) - len(missing), sum(k.startswith("model.layers.") for k in state)
     return [
-        ("unknown", unknown, r"1 unknown name\(s\): 'model.layers.9.mlp.up_proj.weight'"),
-        ("shape", shape, rf"1 shape mismatch\(es\): '{name}' expected \[64, 128\] got \[128, 64\]"),
-        ("missing", missing, r"11 missing name\(s\): 'model.layers.3.input_layernorm.weight'"),
+        ("unknown", unknown, rf"1 unknown name\(s\): 'model.layers.{last + 5}.mlp.up_proj.weight'"),
+        ("shape", shape, rf"1 shape mismatch\(es\): '{name}' expected \[{rows}, {cols}\] got \[{cols}, {rows}\]"),
+        ("missing", missing, rf"{n_missing} missing name\(s\): 'model.layers.{last}.input_layernorm.weight'"),
         ("dtype", dtype, r"'model.norm.weight' expected float32 got int64"),
-        ("renamed", renamed, r"44 unknown name\(s\): 'decoder.layers.0.*44 missing name\(s\): 'model.layers.0"),
+        ("renamed", renamed, rf"{n_layers} unknown name\(s\): 'decoder.layers.0.*{n_layers} missing name\(s\): "
+                             r"'model.layers.0"),
     ]
 
 

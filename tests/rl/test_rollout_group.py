@@ -138,8 +138,9 @@ def test_policy_push_reaches_every_engine(group, hf):
     assert group.weight_version() == 3 and all(g[0].weight_version == 3 for g in res.samples)
 
     bad = dict(state)
-    bad["lm_head.weight"] = bad["lm_head.weight"][:, :64].contiguous()
-    with pytest.raises(WeightPushError, match=r"'lm_head.weight' expected \[128, 128\] got \[128, 64\]"):
+    V, H = bad["lm_head.weight"].shape
+    bad["lm_head.weight"] = bad["lm_head.weight"][:, : H // 2].contiguous()
+    with pytest.raises(WeightPushError, match=rf"'lm_head.weight' expected \[{V}, {H}\] got \[{V}, {H // 2}\]"):
         group.push_weights("policy", bad, 4)
     assert group.weight_version() == 3
     group.push_weights("policy", {k: v.detach().clone() for k, v in model.state_dict().items()}, 5)
