@@ -99,6 +99,13 @@ def total_variation(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return 0.5 * float((counts.double() / counts.sum() - probs.double()).abs().sum())
 
 
+def sampling_tv(probs: torch.Tensor, n: int) -> float:
+    """Expected total variation between ``n`` exact samples' frequencies and ``probs`` (normal
+    approximation per cell): the noise floor a correct sampler shows."""
+    p = probs.double()
+    return float(0.5 * (2 * p * (1 - p) / (torch.pi * n)).sqrt().sum())
+
+
 def make_dflash_drafter(out: str | Path, arch: dict, *, seed: int = 0, num_layers: int = 1,
                         target_layer_ids: tuple[int, ...] = (0, 2), mask_token_id: int = 2,
                         scale: float = 0.05) -> dict[str, torch.Tensor]:

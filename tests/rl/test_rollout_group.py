@@ -24,6 +24,7 @@ from _rollout_helpers import (
     chi_square,
     load_hf,
     random_policy_state,
+    sampling_tv,
     second_token_distribution,
     start_ray,
     stop_ray,
@@ -109,8 +110,9 @@ def test_speculative_sampling_matches_target_distribution(group, hf):
     assert res.metrics["num_spec_steps"] > 0  # the 2nd tokens came out of verify steps
     exact = second_token_distribution(model, tok.encode(prompt), tok.eos_token_id)
     stat, df, p = chi_square(counts, exact)
-    tv = total_variation(counts, exact)
-    assert tv < 0.1 and p > 1e-3, f"TV={tv:.3f}, chi2={stat:.1f} (df {df}), p={p:.2g}"
+    tv, floor = total_variation(counts, exact), sampling_tv(exact, n)
+    # measured: TV 0.03 (noise floor ~0.03), p ~0.1; without the repair TV ~0.6, chi2 ~1e5
+    assert tv < max(0.1, 3 * floor) and p > 1e-3, f"TV={tv:.3f} (floor {floor:.3f}), chi2={stat:.1f} (df {df}), p={p:.2g}"
 
 
 def test_draft_push_changes_acceptance_not_output(group, hf):
