@@ -12,11 +12,22 @@ from pathlib import Path
 from cotrain.rl.metrics import read_metrics
 
 PANELS = [
-    ("reward", ["reward/mean", "reward/accuracy", "eval/accuracy"]),
+    ("reward", ["reward/mean", "eval/accuracy"]),
     ("KL", ["kl/train_infer", "kl/ref"]),
     ("acceptance length", ["spec/acceptance_length", "draft/offline_acceptance_length"]),
     ("seconds per step", ["time/rollout", "time/update", "time/weight_push"]),
 ]
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to ``window`` values."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -32,7 +43,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     for ax, (title, keys) in zip(axes[0], panels):
         for k in keys:
             pts = [(r["step"], r[k]) for r in rows if k in r]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=k)
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            line, = ax.plot(xs, ys, marker="o", ms=2, lw=0.8, alpha=0.5 if len(xs) > 10 else 1.0, label=k)
+            if len(xs) > 10:  # per-step values are noisy (each step draws new prompts): add a trend
+                ax.plot(xs, moving_average(ys, 10), color=line.get_color(), lw=2, label=f"{k} (10-step mean)")
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
