@@ -58,8 +58,8 @@ def assert_issue(err: ConfigError, path: str, *fragments: str) -> str:
 
 
 # ----------------------------------------------------------------------------- shipped configs
-@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
-def test_shipped_configs_validate(name):
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml") if not p.name.startswith("distill_")))
+def test_shipped_configs_validate(name):  # distill_*.yaml are cotrain.draft.distill configs (tests/draft)
     cfg = load_config(CONFIGS / name)
     assert cfg.cluster.device in ("cpu", "cuda")
     assert cfg.model_arch is not None and cfg.model_arch.num_hidden_layers == 4
@@ -393,7 +393,7 @@ def test_valid_variants(files):
     load_config(DEMO, ["data.task=jsonl", f"data.jsonl.path={files['jsonl']}", "grpo.prompts_per_step=2"])
     cfg = load_config(CONFIGS / "demo_dspark.yaml", [*CUDA2, "rollout.speculative.method=dspark"])
     assert cfg.rollout.weight_transport == "nccl" and cfg.rollout.gpus_per_engine == 1.0
-    assert cfg.rollout.speculative.num_speculative_tokens == 6      # dspark block_size 7 - 1
+    assert cfg.rollout.speculative.num_speculative_tokens == 7      # dspark: a block of 7 drafts 7 tokens
     assert cfg.draft.loss == "dspark_l1"
     cfg = load_config(DEMO, ["policy.parallel.context=2", "policy.parallel.pipeline=2", "cluster.cpus_per_node=5"])
     assert cfg.world_size == 4

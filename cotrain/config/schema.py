@@ -428,13 +428,25 @@ class DSparkConfig(DFlashConfig):
     serves_on_cpu: ClassVar[bool] = False
 
     block_size: Annotated[int, Field(ge=2)] = 7
-    """Block length B = anchor + B-1 noise tokens (>= 2)."""
+    """Block length B = anchor + B-1 noise tokens (>= 2). Every block position predicts the next
+    token (vLLM's anchor-as-first layout), so a block drafts B tokens."""
     markov_rank: PosInt = 16
     """Rank r of the Markov head (logits += W2 W1[previous token])."""
     markov_head: Literal["vanilla", "gated"] = "vanilla"
-    """Markov head variant."""
+    """Markov head variant: vanilla (logits += W2 W1[prev]) or gated (the bias scaled by
+    sigmoid(g . h)); vLLM serves only vanilla."""
     confidence_head: bool = False
-    """Train a head predicting per-position acceptance."""
+    """Train a head predicting per-position acceptance (BCE against 1 - 0.5 * L1(p, q))."""
+    l1_weight: NonNegFloat = 1.0
+    """Weight of the L1 distance between target and drafter probabilities in the dspark_l1 loss."""
+    confidence_weight: NonNegFloat = 1.0
+    """Weight of the confidence head's BCE in the dspark_l1 loss."""
+
+    def default_num_speculative_tokens(self) -> int:
+        return self.block_size
+
+    def max_speculative_tokens(self) -> int | None:
+        return self.block_size
 
 
 # ----------------------------------------------------------------------------- draft kind registry

@@ -219,7 +219,7 @@ class BranchAttention:
     the number of sequences instead of quadratic in the packed length.
     """
 
-    def __init__(self, layout: BranchLayout, group=None, bucket_tokens: int = 256):
+    def __init__(self, layout: BranchLayout, group=None, bucket_tokens: int = 128):
         self.layout, self.group = layout, group
         self.ring = not (layout.cp_size == 1 and group is None)
         self.buckets: list[tuple[BranchLayout, int, int, int, int]] = []

@@ -51,8 +51,8 @@ class DistillDataConfig(StrictModel):
     """JSONL file with one ``{"prompt": ...}`` object per line (task jsonl)."""
     prompt_key: str = "prompt"
     """Key of the prompt in the JSONL objects."""
-    max_digits: Annotated[int, Field(ge=1, le=9)] = 3
-    """Arithmetic task: most digits per operand."""
+    max_digits: Optional[Annotated[int, Field(ge=1, le=9)]] = None
+    """Arithmetic task: most digits per operand. null = the built-in tiny model's task."""
     num_prompts: Annotated[int, Field(ge=1)] = 1000
     """Training prompts."""
     eval_prompts: Annotated[int, Field(ge=1)] = 200
@@ -135,9 +135,11 @@ class Record:
 
 def load_prompts(cfg: DistillDataConfig, n: int, seed: int) -> list[str]:
     if cfg.task == "arithmetic":
+        from cotrain.models.tiny import TINY_TASK
         from cotrain.rl.data import arithmetic_dataset
 
-        return [p.prompt for p in arithmetic_dataset(n, seed=seed, max_digits=cfg.max_digits)]
+        digits = cfg.max_digits or TINY_TASK["max_digits"]
+        return [p.prompt for p in arithmetic_dataset(n, seed=seed, max_digits=digits, ops=TINY_TASK["ops"])]
     if not cfg.jsonl_path:
         raise ValueError("data.jsonl_path is required for task jsonl")
     rows = [json.loads(line) for line in Path(cfg.jsonl_path).read_text().splitlines() if line.strip()]

