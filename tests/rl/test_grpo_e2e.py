@@ -22,7 +22,9 @@ COMMON = ["grpo.num_steps=3", "grpo.prompts_per_step=4", "grpo.group_size=4", "p
           "checkpoint.every=2",
           "checkpoint.keep_last=null", "data.eval.every=0", "rollout.sampling.max_tokens=8",
           "logging.progress_bar=false", "policy.reference_model=true"]
-ENV = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1"}
+# Ray >= 2.5x turns token authentication on for `ray start` when ~/.ray/auth_token exists (any earlier
+# ray.init writes one), and `ray job submit` then needs the token too; a loopback test cluster opts out.
+ENV = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled"}
 RAY = str(Path(sys.executable).parent / "ray")
 
 
@@ -33,7 +35,6 @@ def metrics(run_dir: Path) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def run_a(tmp_path_factory, tiny_model_path):
     out = tmp_path_factory.mktemp("run_a")
-    subprocess.run([RAY, "stop", "--force"], env=ENV, capture_output=True)
     start = subprocess.run([RAY, "start", "--head", "--num-cpus", "4", "--node-ip-address", "127.0.0.1",
                             "--dashboard-host", "127.0.0.1", "--include-dashboard", "true", "--disable-usage-stats"],
                            env=ENV, capture_output=True, text=True, timeout=180)
