@@ -11,6 +11,14 @@ import json
 from pathlib import Path
 
 
+def _optional(module: str, key: str):
+    try:
+        return __import__(module)
+    except ImportError:
+        raise RuntimeError(f"{key}: true needs the '{module}' package, which is not installed "
+                           f"(pip install {module}, or set {key}=false)") from None
+
+
 class MetricsLogger:
     def __init__(self, cfg, resume_step: int = 0):
         self.out = Path(cfg.run.output_dir)
@@ -26,14 +34,14 @@ class MetricsLogger:
             self.tb = SummaryWriter(cfg.logging.tensorboard_dir, purge_step=resume_step + 1 if resume_step else None)
         self.wandb = None
         if cfg.logging.wandb.enabled:
-            import wandb
+            wandb = _optional("wandb", "logging.wandb.enabled")
 
             w = cfg.logging.wandb
             self.wandb = wandb.init(project=w.project, entity=w.entity, mode=w.mode, name=cfg.run.name,
                                     config=cfg.to_dict(), dir=str(self.out), resume="allow")
         self.mlflow = None
         if cfg.logging.mlflow.enabled:
-            import mlflow
+            mlflow = _optional("mlflow", "logging.mlflow.enabled")
 
             mlflow.set_tracking_uri(cfg.logging.mlflow.tracking_uri)
             mlflow.set_experiment(cfg.logging.mlflow.experiment)
