@@ -256,7 +256,8 @@ class CudaIpcTransport(WeightTransport):
     where ``args`` are :func:`torch.multiprocessing.reductions.reduce_tensor`'s rebuild arguments.
     ``receive`` maps them into the receiving process on *its* current device (the GPU is found by
     UUID, so differing ``CUDA_VISIBLE_DEVICES`` orders are fine). The received tensors alias the
-    sender's memory: load (copy) them before the sender calls ``release``.
+    sender's memory (for contiguous parameters: the parameters themselves): the sender must not
+    modify them (no optimizer step) until every engine has loaded them and ``release`` ran.
     """
 
     name = "cuda_ipc"
