@@ -122,6 +122,8 @@ class GrpoRun:
         init_ray(cfg)
         self.trainer = TrainerGroup(cfg, self.model_path)
         self.rollout = RolloutGroup.from_config(cfg, model_path=self.model_path)
+        if cfg.rollout.weight_transport == "nccl":  # GPU engines on other devices: a broadcast group
+            self.trainer.connect_weight_broadcast(self.rollout)
         resume_dir = self.ckpt.resolve(resume) if resume else None
         if resume_dir is not None:
             self.trainer.load_checkpoint(str(resume_dir))

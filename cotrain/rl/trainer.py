@@ -229,6 +229,16 @@ class MegatronPolicyWorker:
             self._transport = make_transport(transport_name)
         return self._transport.send(state, version)
 
+    def connect_weight_broadcast(self, master_addr: str, master_port: int, world_size: int) -> None:
+        """Rank 0 joins the dedicated broadcast group of the ``nccl`` weight transport (the engines
+        join concurrently through ``RolloutGroup.init_broadcast_group``)."""
+        if self.rank != 0:
+            return
+        from cotrain.rl.weight_transport import NcclBroadcastTransport
+
+        self._transport = NcclBroadcastTransport(master_addr, master_port, 0, world_size)
+        self._transport.connect()
+
     def release_export(self, handle: dict) -> None:
         """Free an exported handle once every engine has loaded it (rank 0 holds it)."""
         if self.rank == 0:

@@ -73,6 +73,14 @@ class TrainerGroup(TrainingBackend):
         (handle,) = [h for h in self._all("export_policy", version, transport) if h is not None]
         return handle
 
+    def connect_weight_broadcast(self, rollout) -> None:
+        """Set up the ``nccl`` weight transport: trainer rank 0 plus every engine worker in one
+        dedicated group; both sides must join concurrently."""
+        addr, port = ray.get(self.actors[0].rendezvous_address.remote())
+        world = 1 + rollout.num_engines * rollout.spec.tensor_parallel_size
+        engine_refs = rollout.init_broadcast_group(addr, port, world)
+        ray.get([self.actors[0].call.remote("connect_weight_broadcast", addr, port, world), *engine_refs])
+
     def release_export(self, handle: dict) -> None:
         ray.get(self.actors[0].call.remote("release_export", handle))
 

@@ -1,5 +1,5 @@
 """The Megatron trainer on Ray: log-probs and GRPO gradients match a Hugging Face reference, and
-PP=2 / DP=2 layouts take exactly the same step as PP=1."""
+PP=2 / DP=2 / TP=2 layouts take the same step as a single rank."""
 
 import pytest
 import ray
@@ -12,7 +12,12 @@ from cotrain.rl.grpo import aggregate, grpo_token_losses
 
 OVERRIDES = ["policy.micro_batch_size=4", "grpo.prompts_per_step=4", "policy.reference_model=true",
              "grpo.kl_coef=0.05", "grpo.clip_eps_low=0.2", "grpo.clip_eps_high=0.2"]
-LAYOUTS = {"pp1": [], "pp2": ["policy.parallel.pipeline=2"], "dp2": ["policy.parallel.data=2"]}
+LAYOUTS = {"pp1": [], "pp2": ["policy.parallel.pipeline=2"], "dp2": ["policy.parallel.data=2"],
+           "tp2": ["policy.parallel.tensor=2"]}
+# Tensor parallelism sums partial matmuls in another order: ~1e-6 apart in log-probs, and Adam's
+# first step (lr * g / |g|) turns that into up to ~lr/10 on parameters whose gradient is ~0.
+WEIGHT_ATOL = {"pp2": 1e-6, "dp2": 1e-6, "tp2": 5e-5}
+LOGPROB_ATOL = {"pp2": 1e-6, "dp2": 1e-6, "tp2": 1e-5}
 
 
 @pytest.fixture(scope="module")
@@ -77,12 +82,12 @@ def test_grpo_loss_and_grad_norm_match_hf_autograd(results, tiny_model_path):
     assert 0 < r["metrics"]["clip_frac"] < 1
 
 
-@pytest.mark.parametrize("layout", ["pp2", "dp2"])
+@pytest.mark.parametrize("layout", ["pp2", "dp2", "tp2"])
 def test_parallel_layouts_take_the_same_step(results, layout, tiny_model_path):
     from cotrain.models.hf_io import load_hf_state_dict
 
     base, other = results["pp1"], results[layout]
-    torch.testing.assert_close(other["lp"], base["lp"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(other["lp"], base["lp"], atol=LOGPROB_ATOL[layout], rtol=0)
     for k in ("loss", "grad_norm", "clip_frac"):
         assert other["metrics"][k] == pytest.approx(base["metrics"][k], rel=1e-5, abs=1e-9), k
     init = load_hf_state_dict(tiny_model_path)
@@ -90,4 +95,4 @@ def test_parallel_layouts_take_the_same_step(results, layout, tiny_model_path):
     moved = max((base["weights"][n] - init[n]).abs().max().item() for n in init)
     assert moved > 1e-6  # the step did update the policy, so agreeing after it means something
     for name, w in base["weights"].items():
-        torch.testing.assert_close(other["weights"][name], w, atol=1e-6, rtol=0, msg=name)
+        torch.testing.assert_close(other["weights"][name], w, atol=WEIGHT_ATOL[layout], rtol=0, msg=name)
