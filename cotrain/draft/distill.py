@@ -341,8 +341,22 @@ def distill(cfg: DistillConfig) -> dict:
     from cotrain.draft.taps import TargetSpec, load_hf_target
     from cotrain.models.build_tiny import resolve_model_path
 
+    old_threads = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    try:
+        return _distill(cfg)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _distill(cfg: DistillConfig) -> dict:
+    from transformers import AutoTokenizer
+
+    from cotrain.draft.export import export_drafter
+    from cotrain.draft.taps import TargetSpec, load_hf_target
+    from cotrain.models.build_tiny import resolve_model_path
+
     t_start = time.time()
     target_path = resolve_model_path(cfg.target)
     model = load_hf_target(target_path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,18 @@ class Served:
     offline: object
     llm: object = None
     extra: dict = field(default_factory=dict)
+
+
+@contextmanager
+def one_thread():
+    """The tiny shapes (HF target, drafter, in-process vLLM engine) run fastest on one thread; two
+    threads on a busy 2-core machine can be several times slower."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def distilled(kind: str, overrides=()):
@@ -216,7 +229,8 @@ def check_temperature_one(served: Served, hf_target, target, n: int = 2000) -> N
         assert cpu_rejection_sampler_fixed()  # in-process engine: the repair is in this process
     prompt, exact = pick_uncertain_prompt(model, tok, served.prompts[:40], target.eos_token_id)
     counts, first_accepted, rounds = sample_first_two(served.llm, prompt, n=n)
-    assert rounds > 0.75 * n and 0.05 < first_accepted / rounds < 0.95, (first_accepted, rounds)
+    # both verification outcomes occur (the first draft is accepted in some rounds, rejected in others)
+    assert rounds > 0.75 * n and min(first_accepted, rounds - first_accepted) >= 20, (first_accepted, rounds)
     stat, df, p = chi_square(counts, exact)
     assert p > 1e-3, (stat, df, p, prompt)
     # power: the same counts against the target at temperature 1.3 are rejected

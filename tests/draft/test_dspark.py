@@ -16,7 +16,8 @@ KIND, K = "dspark", 7  # anchor-as-first: a block of 7 drafts 7 tokens
 
 @pytest.fixture(scope="module")
 def prepared(target, hf_target):
-    return S.prepare(KIND, K, hf_target, target)
+    with S.one_thread():
+        yield S.prepare(KIND, K, hf_target, target)
 
 
 def test_distilled_dspark_offline_acceptance(prepared):

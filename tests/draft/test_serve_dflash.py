@@ -15,10 +15,11 @@ KIND, K = "dflash", 6  # draft tokens per step = block_size - 1
 
 @pytest.fixture(scope="module")
 def served(tiny_model_path, target, hf_target):
-    served = S.prepare(KIND, K, hf_target, target)
-    S.start_engine(tiny_model_path, served)
-    yield served
-    S.stop_engine(served)
+    with S.one_thread():
+        served = S.prepare(KIND, K, hf_target, target)
+        S.start_engine(tiny_model_path, served)
+        yield served
+        S.stop_engine(served)
 
 
 def test_distilled_drafter_acceptance_in_vllm_matches_offline_estimate(served):
