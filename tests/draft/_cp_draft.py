@@ -3,6 +3,7 @@
 import torch
 
 from cotrain.draft.common import DraftBatch
+from cotrain.draft.cp import fetch_rows
 from cotrain.draft.losses import soft_ce
 from cotrain.draft.registry import build_drafter
 from cotrain.draft.taps import TargetSpec
@@ -36,13 +37,28 @@ def run_family(kind, target_path, rank, cp, group=None):
     else:
         batch = full
     out = d(batch, layout, group=group)
-    # targets: the full target logits (a caller under CP fetches these rows from their owners)
-    p = torch.softmax(full.target_logits[out.target_rows.clamp(min=0)], -1)
+    # targets: this rank holds only its zigzag shard of the target logits; fetch_rows brings the
+    # rows its chains need from their owners
+    if cp > 1:
+        local_logits = zigzag_shard(full.target_logits, layout, rank)
+        rows = fetch_rows(local_logits, out.target_rows, layout, group).view(*out.target_rows.shape, -1)
+        ref_rows = full.target_logits[out.target_rows.clamp(min=0)] * out.valid[..., None]
+        assert torch.equal(rows * out.valid[..., None], ref_rows)
+    else:
+        rows = full.target_logits[out.target_rows.clamp(min=0)]
+    p = torch.softmax(rows, -1)
+    remote = 0
+    if cp > 1:
+        from cotrain.parallel import anchor_owner
+
+        r = out.target_rows[out.valid]
+        remote = int((anchor_owner(full.cu_seqlens, r, cp) != rank).sum())
     n_global = int(d(full, layout.with_cp(1)).valid.sum())
     loss = soft_ce(out.logits, p, out.valid) * out.valid.sum() / n_global
     loss.backward()
     grads = {n: q.grad.clone() if q.grad is not None else torch.zeros_like(q) for n, q in d.named_parameters()}
-    return {"bonus": out.bonus_pos, "logits": out.logits.detach(), "valid": out.valid, "grads": grads}
+    return {"bonus": out.bonus_pos, "logits": out.logits.detach(), "valid": out.valid, "grads": grads,
+            "remote_rows": remote}
 
 
 def rank_fn(rank, world, target_path):

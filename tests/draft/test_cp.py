@@ -1,4 +1,7 @@
-"""The drafters under context parallelism (CP = 2, gloo): same chains and gradients as CP = 1."""
+"""The drafters under context parallelism (CP = 2, gloo): same chains and gradients as CP = 1.
+
+Each rank gets only its zigzag shard of the taps and of the target logits; the targets its chains
+need from the other rank come through cotrain.draft.cp.fetch_rows."""
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ def test_cp2_matches_cp1(tiny_model_path, one_thread):
         order = torch.argsort(bonus)
         assert torch.equal(bonus[order], ref["bonus"]), kind  # every chain exactly once, on its anchor's owner
         assert all(r[kind]["bonus"].numel() > 0 for r in ranks), kind  # both ranks own some
+        assert sum(r[kind]["remote_rows"] for r in ranks) > 0, kind  # some targets came from the other rank
         logits = torch.cat([r[kind]["logits"] for r in ranks])[order]
         valid = torch.cat([r[kind]["valid"] for r in ranks])[order]
         assert torch.equal(valid, ref["valid"])
