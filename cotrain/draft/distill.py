@@ -335,12 +335,6 @@ def prepare_data(cfg: DistillConfig, model, tokenizer, tap_layers: list[int]) ->
 
 def distill(cfg: DistillConfig) -> dict:
     """Run an offline distillation; returns the summary written to metrics.json."""
-    from transformers import AutoTokenizer
-
-    from cotrain.draft.export import export_drafter
-    from cotrain.draft.taps import TargetSpec, load_hf_target
-    from cotrain.models.build_tiny import resolve_model_path
-
     old_threads = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
