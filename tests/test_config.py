@@ -302,7 +302,7 @@ ERROR_CASES = [
       "rollout.speculative.method=null", "draft.cotrain=true"]),
     ("spec_tokens_block", ["draft.kind=dflash", "draft.dflash.block_size=4", "rollout.speculative.method=dflash",
                            "rollout.speculative.num_speculative_tokens=5"],
-     "rollout.speculative.num_speculative_tokens", ["block_size-1 = 3", "allowed: 1..3"]),
+     "rollout.speculative.num_speculative_tokens", ["predicts per block (3", "allowed: 1..3"]),
     ("ngram_range", ["rollout.speculative.method=ngram", "rollout.speculative.ngram.prompt_lookup_min=5"],
      "rollout.speculative.ngram.prompt_lookup_min", ["allowed: <= prompt_lookup_max"]),
     ("tap_range_eagle3", ["draft.kind=eagle3", "draft.eagle3.tap_layers=[1, 7]"], "draft.eagle3.tap_layers[1]",

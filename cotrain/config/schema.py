@@ -240,8 +240,8 @@ class SpeculativeConfig(StrictModel):
     (every registered drafter kind). A drafter method needs draft.kind of the same name (the
     co-trained drafter) or an explicit draft_model."""
     num_speculative_tokens: PosInt | None = None
-    """Draft tokens proposed per step. null = the drafter's default (block_size - 1 for block
-    drafters, 3 otherwise)."""
+    """Draft tokens proposed per step. null = the drafter's default (dflash: block_size - 1, the
+    block being the bonus token plus its drafts; dspark: block_size; 3 otherwise)."""
     draft_model: str | None = None
     """Directory of drafter weights in vLLM's format: required for 'draft_model'; for a drafter
     method it is the initial drafter (co-trained from there when draft.cotrain)."""

@@ -316,7 +316,7 @@ def check_speculative(cfg: CotrainConfig) -> list[Issue]:
             most = kind.max_speculative_tokens()
             if most is not None and spec.num_speculative_tokens > most:
                 issues.append(("rollout.speculative.num_speculative_tokens", f"{spec.num_speculative_tokens} "
-                               f"exceeds what the {d.kind} drafter predicts per block (block_size-1 = {most}; "
+                               f"exceeds what the {d.kind} drafter predicts per block ({most}; "
                                f"allowed: 1..{most})"))
     return issues
 
