@@ -3,10 +3,9 @@ dead source, shape/dtype mismatch at registration, back-pressure that never over
 
 import pytest
 
-from cotrain.distributed import spawn_local
-
 import _tap_workers as w
-from _spawn import spawn_expecting_deaths
+
+from cotrain.distributed import spawn_local, spawn_local_expecting_deaths
 
 TRANSPORTS = ["shm", "gloo"]
 
@@ -61,7 +60,7 @@ def test_backpressure_times_out_and_never_overwrites(faults, transport):
 
 
 def test_dead_source_fails_the_reader_fast():
-    results, codes = spawn_expecting_deaths(w.dead_source, 2, dies={0}, timeout_s=120)
+    results, codes = spawn_local_expecting_deaths(w.dead_source, 2, dies={0}, timeout_s=120)
     assert codes[0] == -9 and codes[1] == 0
     for t in TRANSPORTS:
         r = results[1][t]
