@@ -24,8 +24,12 @@ COMMON = ["grpo.num_steps=3", "grpo.prompts_per_step=4", "grpo.group_size=4", "p
           "logging.progress_bar=false", "policy.reference_model=true"]
 # Ray >= 2.5x turns token authentication on for `ray start` when ~/.ray/auth_token exists (any earlier
 # ray.init writes one), and `ray job submit` then needs the token too; a loopback test cluster opts out.
-ENV = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled"}
-RAY = str(Path(sys.executable).parent / "ray")
+# The job's `python` is looked up on PATH by the cluster: put this interpreter's environment first
+# (CI runs pytest as .venv/bin/python without activating the venv).
+BIN = str(Path(sys.executable).parent)
+ENV = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled",
+       "PATH": BIN + os.pathsep + os.environ.get("PATH", "")}
+RAY = str(Path(BIN) / "ray")
 
 
 def metrics(run_dir: Path) -> dict[int, dict]:
