@@ -215,12 +215,11 @@ class GrpoRun:
         self.ckpt.commit(step, {"step": step, "data": self.stream.state()})
 
     def shutdown(self) -> None:
-        for part in (self.logger,):
-            if part is not None:
-                part.close()
-        for part in (self.rollout, self.trainer):
-            if part is not None:
-                part.shutdown()
+        if self.logger is not None:
+            self.logger.close()
+        for workers in (self.rollout, self.trainer):
+            if workers is not None:
+                workers.shutdown()
 
 
 def main(cfg, resume=False) -> int:
