@@ -222,7 +222,18 @@ class GrpoRun:
                 workers.shutdown()
 
 
+def check_supported(cfg) -> None:
+    """Refuse, before anything starts, what the loop does not do yet (rather than ignore it)."""
+    if cfg.draft.kind is not None and cfg.draft.cotrain:
+        raise NotImplementedError(
+            f"draft.cotrain: true (draft.kind={cfg.draft.kind}) - co-training the drafter inside the GRPO step "
+            "is not wired into the loop yet. Train the drafter offline (python -m cotrain.draft.distill --config "
+            f"configs/distill_{cfg.draft.kind}.yaml) and serve it frozen with rollout.speculative.draft_model=<its "
+            "drafter/ directory> draft.cotrain=false.")
+
+
 def main(cfg, resume=False) -> int:
+    check_supported(cfg)
     run = GrpoRun(cfg)
     try:
         run.setup(resume)
