@@ -150,7 +150,8 @@ class GrpoRun:
         rewards = score(cfg, gen.samples, problems)
         adv = group_advantages(rewards, g.baseline, g.normalize_std)
         flat = [s for row in gen.samples for s in row]
-        batch = build_batch(flat, adv.flatten().tolist(), self.pad_id)
+        cp = cfg.policy.parallel.context  # zigzag CP splits every sequence into 2*CP equal chunks
+        batch = build_batch(flat, adv.flatten().tolist(), self.pad_id, multiple_of=2 * cp if cp > 1 else 1)
         with timed(m, "time/update"):
             batch.old_logprobs, batch.ref_logprobs = self.trainer.logprobs(batch)
             m.update(train_inference_kl(batch))

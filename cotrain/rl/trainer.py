@@ -26,7 +26,8 @@ import torch.distributed as dist
 from cotrain.models import convert
 from cotrain.models.hf_io import load_hf_checkpoint
 from cotrain.models.megatron_compat import model_parallel_manual_seed
-from cotrain.models.megatron_model import build_gpt_model, layer_offset, load_hf_weights, tensor_state, transformer_config
+from cotrain.models.megatron_model import (build_gpt_model, gpt_layer_spec, layer_offset, load_hf_weights,
+                                           tensor_state, transformer_config)
 from cotrain.rl.batch import TrainBatch
 from cotrain.rl.grpo import aggregate, grpo_token_losses
 
@@ -46,9 +47,6 @@ class MegatronPolicyWorker:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, rank=rank, world_size=world_size)
-        if par.context > 1:
-            raise NotImplementedError("policy.parallel.context > 1 is not wired into the GRPO trainer yet "
-                                      "(cotrain.parallel's adapter runs it in tests); use context: 1")
         ps.initialize_model_parallel(tensor_model_parallel_size=par.tensor, pipeline_model_parallel_size=par.pipeline,
                                      context_parallel_size=par.context)
         model_parallel_manual_seed(cfg.run.seed)
@@ -56,7 +54,14 @@ class MegatronPolicyWorker:
         self.dtype = torch.bfloat16 if cfg.policy.dtype == "bfloat16" else torch.float32
         mcfg = transformer_config(self.arch, dtype=self.dtype)
         mcfg.finalize_model_grads_func = finalize_model_grads
-        model = build_gpt_model(self.arch, mcfg)
+        # Megatron's own context parallelism lives in transformer-engine; cotrain's ring attention
+        # (cotrain.parallel) plugs in as the core_attention of the local layer spec instead.
+        self.layer_spec = None
+        if par.context > 1:
+            from cotrain.parallel.megatron_adapter import CPBranchCoreAttention
+
+            self.layer_spec = gpt_layer_spec(self.arch, core_attention=CPBranchCoreAttention)
+        model = build_gpt_model(self.arch, mcfg, layer_spec=self.layer_spec)
         load_hf_weights(model, hf_state, self.arch)
         self.model = DistributedDataParallel(
             mcfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -70,7 +75,8 @@ class MegatronPolicyWorker:
             [self.model])
         self.ref_model = None
         if cfg.policy.reference_model:
-            self.ref_model = build_gpt_model(self.arch, transformer_config(self.arch, dtype=self.dtype))
+            self.ref_model = build_gpt_model(self.arch, transformer_config(self.arch, dtype=self.dtype),
+                                             layer_spec=self.layer_spec)
             load_hf_weights(self.ref_model, hf_state, self.arch)
             self.ref_model.requires_grad_(False).eval()
         self.steps_done = 0
@@ -82,10 +88,25 @@ class MegatronPolicyWorker:
                 "holds_outputs": self._holds_outputs()}
 
     def _holds_outputs(self) -> bool:
-        return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+        return (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+                and ps.get_context_parallel_rank() == 0)
 
     def _my_shard(self, batch: TrainBatch) -> TrainBatch:
-        return batch.split(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
+        """This rank's sequences (DP) and, under CP, its two zigzag chunks of every sequence."""
+        shard = batch.split(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
+        cp = ps.get_context_parallel_world_size()
+        if cp > 1:
+            shard = shard.zigzag(ps.get_context_parallel_rank(), cp)
+        return shard
+
+    def _gather_cp(self, local: torch.Tensor) -> torch.Tensor:
+        """[n, S/cp] zigzag chunks from every CP rank -> [n, S] in sequence order."""
+        cp = ps.get_context_parallel_world_size()
+        if cp == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(cp)]
+        dist.all_gather(parts, local.contiguous(), group=ps.get_context_parallel_group())
+        return TrainBatch.unzigzag(parts)
 
     # ------------------------------------------------------------------ forward machinery
     def _token_logprobs(self, model, mb: TrainBatch) -> torch.Tensor:
@@ -122,13 +143,14 @@ class MegatronPolicyWorker:
         collect = lambda mb, lp: (lp.sum() * 0, {"lp": lp.detach().float() * mb.mask})  # noqa: E731
         self.model.eval()
         out = {"dp_rank": ps.get_data_parallel_rank()}
+        last = ps.is_pipeline_last_stage()
         res = self._run(self.model, micro, collect, forward_only=True)
-        if self._holds_outputs():
-            out["logprobs"] = torch.cat([r["lp"] for r in res])
+        if last:
+            out["logprobs"] = self._gather_cp(torch.cat([r["lp"] for r in res]))
         if self.ref_model is not None:
             res = self._run(self.ref_model, micro, collect, forward_only=True)
-            if self._holds_outputs():
-                out["ref_logprobs"] = torch.cat([r["lp"] for r in res])
+            if last:
+                out["ref_logprobs"] = self._gather_cp(torch.cat([r["lp"] for r in res]))
         self.model.train()
         return out if self._holds_outputs() else None
 
@@ -168,14 +190,16 @@ class MegatronPolicyWorker:
         return metrics if self._holds_outputs() and ps.get_data_parallel_rank() == 0 else None
 
     def _reduce_over_dp(self, metrics: dict) -> dict:
-        if ps.get_data_parallel_world_size() == 1 or not ps.is_pipeline_last_stage():
+        """Sum (or max) the per-rank metric parts over every rank that holds part of the batch."""
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+        if dist.get_world_size(group) == 1 or not ps.is_pipeline_last_stage():
             return metrics
         keys = sorted(k for k in metrics if k != "grad_norm")
         t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
         sums = t.clone()
-        dist.all_reduce(sums, group=ps.get_data_parallel_group())
+        dist.all_reduce(sums, group=group)
         maxs = t.clone()
-        dist.all_reduce(maxs, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        dist.all_reduce(maxs, op=dist.ReduceOp.MAX, group=group)
         for i, k in enumerate(keys):
             metrics[k] = (maxs if k.endswith("_max") else sums)[i].item()
         return metrics

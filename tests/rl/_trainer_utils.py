@@ -9,7 +9,7 @@ from cotrain.rl.grpo import group_advantages
 from cotrain.rl.interfaces import Sample
 
 
-def fake_rollout_batch(num_prompts: int = 4, group: int = 4, seed: int = 0):
+def fake_rollout_batch(num_prompts: int = 4, group: int = 4, seed: int = 0, multiple_of: int = 4):
     """Responses are the true answer or a corrupted one; rewards follow; sampler log-probs are fake."""
     tok = build_tokenizer()
     g = torch.Generator().manual_seed(seed)
@@ -25,4 +25,4 @@ def fake_rollout_batch(num_prompts: int = 4, group: int = 4, seed: int = 0):
             row.append(1.0 if correct else 0.0)
         rewards.append(row)
     adv = group_advantages(torch.tensor(rewards)).flatten().tolist()
-    return build_batch(samples, adv, pad_id=tok.pad_token_id)
+    return build_batch(samples, adv, pad_id=tok.pad_token_id, multiple_of=multiple_of)

@@ -1,5 +1,5 @@
 """The Megatron trainer on Ray: log-probs and GRPO gradients match a Hugging Face reference, and
-PP=2 / DP=2 / TP=2 layouts take the same step as a single rank."""
+PP=2 / DP=2 / TP=2 / CP=2 layouts take the same step as a single rank."""
 
 import pytest
 import ray
@@ -13,11 +13,11 @@ from cotrain.rl.grpo import aggregate, grpo_token_losses
 OVERRIDES = ["policy.micro_batch_size=4", "grpo.prompts_per_step=4", "policy.reference_model=true",
              "grpo.kl_coef=0.05", "grpo.clip_eps_low=0.2", "grpo.clip_eps_high=0.2"]
 LAYOUTS = {"pp1": [], "pp2": ["policy.parallel.pipeline=2"], "dp2": ["policy.parallel.data=2"],
-           "tp2": ["policy.parallel.tensor=2"]}
+           "tp2": ["policy.parallel.tensor=2"], "cp2": ["policy.parallel.context=2"]}
 # Tensor parallelism sums partial matmuls in another order: ~1e-6 apart in log-probs, and Adam's
 # first step (lr * g / |g|) turns that into up to ~lr/10 on parameters whose gradient is ~0.
-WEIGHT_ATOL = {"pp2": 1e-6, "dp2": 1e-6, "tp2": 5e-5}
-LOGPROB_ATOL = {"pp2": 1e-6, "dp2": 1e-6, "tp2": 1e-5}
+WEIGHT_ATOL = {"pp2": 1e-6, "dp2": 1e-6, "tp2": 5e-5, "cp2": 5e-5}
+LOGPROB_ATOL = {"pp2": 1e-6, "dp2": 1e-6, "tp2": 1e-5, "cp2": 1e-5}
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_grpo_loss_and_grad_norm_match_hf_autograd(results, tiny_model_path):
     assert 0 < r["metrics"]["clip_frac"] < 1
 
 
-@pytest.mark.parametrize("layout", ["pp2", "dp2", "tp2"])
+@pytest.mark.parametrize("layout", ["pp2", "dp2", "tp2", "cp2"])
 def test_parallel_layouts_take_the_same_step(results, layout, tiny_model_path):
     from cotrain.models.hf_io import load_hf_state_dict
 
