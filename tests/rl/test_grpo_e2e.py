@@ -108,3 +108,22 @@ def test_speculative_rollouts_report_acceptance_length(tmp_path, tiny_model_path
         assert 1.0 <= m[step]["spec/acceptance_length"] <= 4.0
         assert m[step]["kl/train_infer"] < 1e-6
     assert m[1]["spec/acceptance_length"] > 1.5  # the drafter *is* the policy at step 1
+
+
+def test_frozen_distilled_eagle3_drafter_in_the_loop(tmp_path, tiny_model_path):
+    """An offline-distilled EAGLE-3 drafter (cached by tests/draft) served frozen in the rollouts:
+    real acceptance (> 1.5 tokens per step at temperature 1) and still on-policy."""
+    from cotrain.draft.cache import ensure_distilled
+
+    drafter = ensure_distilled(ROOT / "configs" / "distill_eagle3.yaml") / "drafter"
+    out = tmp_path / "eagle3"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch/grpo.py"), "--config", str(ROOT / "configs/demo_eagle3.yaml"),
+         f"run.output_dir={out}", "draft.cotrain=false", f"rollout.speculative.draft_model={drafter}",
+         "grpo.num_steps=2", "grpo.prompts_per_step=4", "grpo.group_size=4", "policy.micro_batch_size=8",
+         "data.eval.every=0", "logging.progress_bar=false"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    for step in metrics(out).values():
+        assert step["spec/acceptance_length"] > 1.5
+        assert step["kl/train_infer"] < 1e-6
