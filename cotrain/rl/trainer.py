@@ -186,10 +186,10 @@ class MegatronPolicyWorker:
             for k in res[0]:
                 vals = torch.stack([r[k] for r in res])
                 metrics[k] = (vals.max() if k.endswith("_max") else vals.sum()).item()
-        metrics = self._reduce_over_dp(metrics)
+        metrics = self._reduce_over_batch_ranks(metrics)
         return metrics if self._holds_outputs() and ps.get_data_parallel_rank() == 0 else None
 
-    def _reduce_over_dp(self, metrics: dict) -> dict:
+    def _reduce_over_batch_ranks(self, metrics: dict) -> dict:
         """Sum (or max) the per-rank metric parts over every rank that holds part of the batch."""
         group = ps.get_data_parallel_group(with_context_parallel=True)
         if dist.get_world_size(group) == 1 or not ps.is_pipeline_last_stage():
