@@ -8,7 +8,7 @@ import torch
 def make_batch(num_micro: int, micro_batch: int, seq_len: int, seed: int = 0):
     """Arithmetic sequences, right-padded to seq_len: (input_ids, labels, loss_mask) per microbatch."""
     from cotrain.models.tokenizer import build_tokenizer
-    from cotrain.rl.data import arithmetic_dataset
+    from cotrain.tasks.data import arithmetic_dataset
 
     tok = build_tokenizer()
     probs = arithmetic_dataset(num_micro * micro_batch, seed=seed)

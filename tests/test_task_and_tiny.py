@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from cotrain.models.tokenizer import build_tokenizer
-from cotrain.rl.data import Problem, PromptStream, arithmetic_dataset, arithmetic_problem, load_jsonl
-from cotrain.rl.rewards import exact_match_reward
+from cotrain.tasks.data import Problem, PromptStream, arithmetic_dataset, arithmetic_problem, load_jsonl
+from cotrain.tasks.rewards import exact_match_reward
 
 
 def test_tokenizer_is_char_level_and_round_trips():

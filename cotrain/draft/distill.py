@@ -136,7 +136,7 @@ class Record:
 def load_prompts(cfg: DistillDataConfig, n: int, seed: int) -> list[str]:
     if cfg.task == "arithmetic":
         from cotrain.models.tiny import TINY_TASK
-        from cotrain.rl.data import arithmetic_dataset
+        from cotrain.tasks.data import arithmetic_dataset
 
         digits = cfg.max_digits or TINY_TASK["max_digits"]
         return [p.prompt for p in arithmetic_dataset(n, seed=seed, max_digits=digits, ops=TINY_TASK["ops"])]

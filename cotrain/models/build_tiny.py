@@ -26,7 +26,7 @@ import torch
 
 from cotrain.models.tiny import BUILTIN_MODEL_PATH, TINY_QWEN3_CONFIG, TINY_SFT, TINY_TASK
 from cotrain.models.tokenizer import EOS, PAD, build_tokenizer, build_vocab
-from cotrain.rl.data import Problem, arithmetic_dataset
+from cotrain.tasks.data import Problem, arithmetic_dataset
 
 BUILD_VERSION = 1
 VOCAB_SIZE = 128  # 99 tokens used, padded to a multiple of 64 (tensor-parallel friendly)
@@ -103,7 +103,7 @@ def greedy_answers(model, tokenizer, prompts: list[str], max_new_tokens: int = 8
 
 def accuracy(model, tokenizer, problems: list[Problem], temperature: float = 0.0) -> float:
     """Fraction of exactly right answers, greedy (temperature 0) or sampled."""
-    from cotrain.rl.rewards import exact_match_reward
+    from cotrain.tasks.rewards import exact_match_reward
 
     answers = complete(model, tokenizer, [p.prompt for p in problems], temperature=temperature)
     return sum(exact_match_reward(a, p.answer) for a, p in zip(answers, problems)) / len(problems)
@@ -128,7 +128,7 @@ def train_sft(model, tokenizer, steps: int, batch_size: int, lr: float, warmup: 
     import random
 
     rng = random.Random(seed)
-    from cotrain.rl.data import arithmetic_problem
+    from cotrain.tasks.data import arithmetic_problem
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(

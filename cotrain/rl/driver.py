@@ -24,11 +24,11 @@ import torch
 
 from cotrain.rl.batch import TrainBatch, build_batch
 from cotrain.rl.checkpoint import CheckpointManager
-from cotrain.rl.data import Problem, PromptStream, arithmetic_dataset, load_jsonl
+from cotrain.tasks.data import Problem, PromptStream, arithmetic_dataset, load_jsonl
 from cotrain.rl.grpo import group_advantages, k3_kl
 from cotrain.rl.interfaces import SamplingSpec
 from cotrain.rl.metrics import MetricsLogger
-from cotrain.rl.rewards import exact_match_reward
+from cotrain.tasks.rewards import exact_match_reward
 
 
 # ---------------------------------------------------------------------------------------- pieces

@@ -4,7 +4,7 @@ import torch
 
 from cotrain.models.tokenizer import build_tokenizer
 from cotrain.rl.batch import build_batch
-from cotrain.rl.data import arithmetic_dataset
+from cotrain.tasks.data import arithmetic_dataset
 from cotrain.rl.grpo import group_advantages
 from cotrain.rl.interfaces import Sample
 
