@@ -8,23 +8,29 @@ Layout. The mailbox is a block of int64 control words plus, per tap, a data tens
 Control words (int64)::
 
     header  [0:16)    MAGIC, VERSION, num_taps, slots, max_tokens, ...
-    tap t   [16+16t)  layer, width, dtype code, source rank, writer pid (0 until registered), head
+    tap t   [16+16t)  layer, width, dtype code, source rank, writer pid (0 until registered), head, claim
     slot    (t, k)    stamp, ntok, released   (8 words, one per ring slot k of tap t)
 
 Protocol for microbatch sequence number ``seq`` (the channel's running microbatch count): slot
 ``k = seq % slots``; ``stamp = seq + 1`` once the data is in (0 = never written); ``released = seq + 1``
-once the reader is done with it.
+once the reader is done with it; per tap, ``head`` = 1 + the last microbatch published and ``claim`` =
+1 + the microbatch the writer is busy with.
 
-- Writer (microbatches in increasing order per tap): wait until ``released[k] >= seq + 1 - slots``
-  (the slot's previous occupant, ``seq - slots``, has been released: back-pressure, never overwrite),
-  copy the rows, store ``ntok``, store ``stamp`` **last**, then advance the tap's ``head`` to
-  ``seq + 1``.
-- Reader: load ``head``, then ``stamp[k]``. ``stamp == seq + 1``: ready. ``stamp > seq + 1``: the
-  source has lapped the reader (error). ``head > seq + 1`` with the stamp still short: the source is
-  already past this microbatch without having written it (skipped, or its step numbering is ahead of
-  the reader's): error, not a wait. Otherwise wait. Read ``ntok`` and the rows, re-check the stamp
-  after reading (a change means the slot was overwritten during the read: error), then store
-  ``released``.
+- Writer (every microbatch, in increasing order per tap): store ``claim = seq + 1``; if ``head < seq``
+  the writer skipped microbatches ``head .. seq - 1`` (its step numbering is ahead of the reader's):
+  lapped, an error on the writer (the claim is already visible, so the reader fails too). Otherwise
+  wait until ``released[k] >= seq + 1 - slots`` (the slot's previous occupant, ``seq - slots``, has
+  been released: back-pressure, never overwrite), copy the rows, store ``ntok``, store ``stamp``
+  **last**, then advance ``head`` to ``seq + 1``.
+- Reader: load ``claim`` and ``head``, then ``stamp[k]``. ``stamp == seq + 1``: ready. ``stamp > seq + 1``:
+  the source has lapped the reader (error). ``claim`` or ``head`` ``> seq + 1`` with the stamp still
+  short: the source is already past this microbatch without having written it (skipped, or its step
+  numbering is ahead of the reader's): error, not a wait. (A writer claims ``seq' > seq`` only after
+  it stamped ``seq``, and that stamp stays until the reader releases it, so a short stamp next to a
+  later claim is always a skip.) This catches a lapping writer whatever the ring size, also one that
+  is itself stuck waiting for a slot the reader will never release (``slots = 2``, two steps ahead).
+  Otherwise wait. Read ``ntok`` and the rows, re-check the stamp after reading (a change means the
+  slot was overwritten during the read: error), then store ``released``.
 
 Memory ordering. Each word is an aligned 8-byte numpy store/load (single-copy atomic on x86-64 and
 aarch64). The data copy (``Tensor.copy_``) returns before the stamp store is issued, and the stamp is
@@ -58,12 +64,13 @@ from cotrain.tapchannel.errors import (
 from cotrain.tapchannel.spec import CODE_DTYPES, TapSpec, dtype_code
 
 MAGIC = 0x7A9C4A11
-VERSION = 1
+VERSION = 2  # 2: the claim word
 HEADER_WORDS = 16
 TAP_WORDS = 16
 SLOT_WORDS = 8
 STAMP, NTOK, RELEASED = 0, 1, 2
 HEAD = 5  # tap word: 1 + the last microbatch published on this tap
+CLAIM = 6  # tap word: 1 + the microbatch the writer is writing (stored before it waits for the slot)
 LIVENESS_EVERY_S = 0.02
 
 
@@ -246,6 +253,19 @@ class Mailbox:
             if deadline is not None and now > deadline:
                 raise on_timeout(now - t0)
 
+    def claim(self, t: int, seq: int) -> None:
+        """Writer side, before waiting for the slot: announce ``seq``; a gap since ``head`` is a lap."""
+        tap_words = self._tap_words[t]
+        head = int(tap_words[HEAD])
+        tap_words[CLAIM] = max(int(tap_words[CLAIM]), seq + 1)  # first: the reader sees it even if we raise
+        if seq > head:
+            spec = self.taps[t]
+            raise TapLappedError(
+                f"the writer is at microbatch stamp {seq + 1} but never wrote stamp {head + 1}: it skipped "
+                f"{seq - head} microbatch(es) (its step numbering is ahead of the reader's?)",
+                layer=spec.layer, rank=spec.rank if spec.rank is not None else -1, slot=self.slot(head),
+                expected=head + 1, seen=seq + 1)
+
     def wait_free(self, t: int, seq: int, deadline: float | None, dead: Callable[[], str | None] | None = None) -> float:
         """Writer side: block until slot ``seq % slots`` no longer holds an unreleased microbatch."""
         words = self._slot_words[t][self.slot(seq)]
@@ -291,16 +311,17 @@ class Mailbox:
         expected = seq + 1
 
         def ready() -> bool:
-            head = int(tap_words[HEAD])  # head before stamp: the writer stores them in the other order
+            # claim and head before the stamp: the writer stores them around its stamps in the other order
+            ahead = max(int(tap_words[CLAIM]), int(tap_words[HEAD]))
             s = int(words[STAMP])
             if s == expected:
                 return True
             if s > expected:
                 raise self._err(TapLappedError, "the source has lapped the reader: the slot already holds a later microbatch",
                                 t, seq, s)
-            if head > expected:
-                raise self._err(TapLappedError, f"the source is already at stamp {head} and never wrote this microbatch "
-                                "(skipped, or its step numbering is ahead of the reader's)", t, seq, head)
+            if ahead > expected:
+                raise self._err(TapLappedError, f"the source is already at stamp {ahead} and never wrote this microbatch "
+                                "(skipped, or its step numbering is ahead of the reader's)", t, seq, ahead)
             return False
 
         dead = dead or (lambda: self.liveness.dead_reason(spec.rank))

@@ -216,23 +216,27 @@ def _faults(rank, transport):
     ch.end_step()
     ch.close()
 
-    # 2. a source whose step numbering is ahead of the reader's: lapped, not a silent mix-up or a hang
-    ch = _channel(transport, name=f"{transport}-lapped", slots=4, timeout_s=1)
-    if rank == 0:
-        ch.begin_step(2)  # an extra step the reader never had
-        ch.end_step()
-        ch.begin_step(3)
-        ch.write(0, 0, x(7))  # sequence number 2 -> stamp 3
-        dist.barrier()
-    else:
-        ch.begin_step(3)
-        ch.write(1, 0, x(0))
+    # 2. a source whose step numbering is ahead of the reader's: lapped on both sides, promptly, whatever
+    #    the ring size (with 2 slots the writer's seq 2 needs slot 0, which the reader will never release)
+    for slots in (2, 4):
+        ch = _channel(transport, name=f"{transport}-lapped{slots}", slots=slots, timeout_s=5)
+        t0 = time.monotonic()
+        got = {"type": "no error"}
         try:
-            ch.read(0)
-        except TapLappedError as e:
-            res["lapped"] = _fields(e)
+            if rank == 0:
+                ch.begin_step(2)  # an extra step the reader never had
+                ch.end_step()
+                ch.begin_step(3)
+                ch.write(0, 0, x(7))  # sequence number 2 -> stamp 3
+            else:
+                ch.begin_step(3)
+                ch.write(1, 0, x(0))
+                ch.read(0)
+        except TapError as e:
+            got = _fields(e) if isinstance(e, TapLappedError) else {"type": type(e).__name__, "msg": str(e)}
+        res[f"lapped{slots}"] = got | {"elapsed": time.monotonic() - t0}
         dist.barrier()
-    ch.close()
+        ch.close()
 
     # 3. shape / dtype mismatches at writer registration
     ch = _channel(transport, name=f"{transport}-register")

@@ -29,12 +29,20 @@ def test_read_timeout_names_the_slot(faults, transport):
     assert r["late"] == (2.0, -2.0)  # a timeout is not corruption: the late microbatch still arrives intact
 
 
+@pytest.mark.parametrize("slots", [2, 4])
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_source_ahead_of_reader_is_lapped(faults, transport):
-    _, r = faults[transport]
-    e = r["lapped"]
-    assert e["type"] == "TapLappedError"
-    assert (e["layer"], e["rank"], e["expected"], e["seen"]) == (0, 0, 1, 3)
+def test_source_ahead_of_reader_is_lapped(faults, transport, slots):
+    """A source one step ahead: the reader (and for shm the writer) report the lap within a poll, not
+    after the 5 s timeout; with 2 slots the writer's microbatch needs a slot the reader never frees."""
+    wr, rd = faults[transport]
+    sides = {"reader": rd} | ({"writer": wr} if transport == "shm" else {})  # gloo's sends are asynchronous
+    for side, r in sides.items():
+        e = r[f"lapped{slots}"]
+        assert e["type"] == "TapLappedError", (side, e)
+        assert (e["layer"], e["rank"], e["slot"], e["expected"], e["seen"]) == (0, 0, 0, 1, 3), (side, e)
+        for word in ("layer 0", "rank 0", "slot 0", "expected stamp 1", "seen stamp 3"):
+            assert word in e["msg"]
+        assert e["elapsed"] < 2, (side, e)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

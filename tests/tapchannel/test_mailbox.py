@@ -115,6 +115,39 @@ def test_source_past_the_microbatch_is_lapped_not_a_wait():
     assert (e.value.expected, e.value.seen) == (1, 3)
 
 
+@pytest.mark.parametrize("slots", [2, 4])
+def test_lapping_writer_fails_both_sides_at_once(slots):
+    """A writer two microbatches ahead (its step numbering is ahead): it fails at its claim, before it
+    waits for a slot (with 2 slots: one the reader would never release), and the reader, seeing the
+    claim, fails instead of waiting for a stamp that never comes."""
+    mb = make_mailbox(slots=slots)
+    with pytest.raises(TapLappedError, match="skipped 2") as e:
+        mb.claim(0, 2)
+    assert (e.value.slot, e.value.expected, e.value.seen) == (0, 1, 3)
+    t0 = time.monotonic()
+    with pytest.raises(TapLappedError, match="never wrote this microbatch") as e:
+        mb.wait_stamp(0, 0, time.monotonic() + 30)
+    assert (e.value.slot, e.value.expected, e.value.seen) == (0, 1, 3)
+    assert time.monotonic() - t0 < 1
+
+
+def test_a_claim_ahead_of_the_reader_is_no_lap():
+    """In order, a writer claims the next microbatch (and waits for its slot) while the reader still
+    has to read earlier ones: those are stamped, so the reader reads them."""
+    mb = make_mailbox(slots=2)
+    for s in range(2):
+        mb.claim(0, s)
+        mb.put(0, s, rows(s, 1))
+    mb.claim(0, 2)  # waits for slot 0 (not released yet)
+    with pytest.raises(TapTimeoutError):
+        mb.wait_free(0, 2, past())
+    for s in range(2):
+        assert mb.wait_stamp(0, s, past()) == 0.0
+        assert torch.equal(mb.read(0, s), rows(s, 1))
+        mb.release(0, s)
+    mb.wait_free(0, 2, past())
+
+
 def test_overwrite_during_read_is_detected():
     mb = make_mailbox(slots=1)
     mb.put(0, 0, rows(0, 2))

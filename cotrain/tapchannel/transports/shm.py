@@ -116,9 +116,13 @@ class ShmTransport(TapTransport):
         return None
 
     def write(self, t: int, seq: int, rows: torch.Tensor, deadline: float) -> float:
+        self.mailbox.claim(t, seq)  # a writer ahead of the reader fails here, and the reader with it
         waited = self.mailbox.wait_free(t, seq, deadline)
-        self.mailbox.put(t, seq, rows, sync=self._sync())
+        self._put(t, seq, rows)
         return waited
+
+    def _put(self, t: int, seq: int, rows: torch.Tensor) -> None:
+        self.mailbox.put(t, seq, rows, sync=self._sync())
 
     def wait(self, t: int, seq: int, deadline: float) -> float:
         return self.mailbox.wait_stamp(t, seq, deadline)
