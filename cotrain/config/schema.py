@@ -451,7 +451,8 @@ class DSparkConfig(DFlashConfig):
 
 # ----------------------------------------------------------------------------- draft kind registry
 _DRAFT_KINDS: dict[str, type[DraftKindConfig]] = {}
-_RESERVED_DRAFT_KEYS = frozenset({"kind", "cotrain", "loss", "loss_weight", "optimizer", "settings"})
+_RESERVED_DRAFT_KEYS = frozenset({"kind", "cotrain", "loss", "optimizer", "settings", "init", "push_every",
+                                  "tap_transport", "tap_timeout_s"})
 
 
 def register_draft_kind(name: str, config_cls: type[DraftKindConfig], *, replace: bool = False) -> None:
@@ -516,10 +517,21 @@ class DraftConfig(StrictModel):
     """Drafter loss: soft_ce / forward_kl against the detached policy distribution, hard_ce on
     the sampled tokens, dspark_l1 (DSpark only: CE + L1 of probabilities), e2e_tv (prefix
     acceptance surrogate). null = the kind's default (dspark_l1 for dspark, else soft_ce)."""
-    loss_weight: NonNegFloat = 1.0
-    """Multiplier of the drafter loss."""
     optimizer: OptimizerConfig = Field(default_factory=lambda: OptimizerConfig(lr=1e-4))
-    """Drafter optimizer (its own, with its own clipping)."""
+    """Drafter optimizer (its own AdamW, LR schedule over grpo.num_steps and gradient clipping,
+    outside the policy's)."""
+    init: str | None = None
+    """Initial drafter weights when co-training: null = from scratch (seeded by run.seed), a
+    drafter directory (the distill command's <output_dir>/drafter), or 'distill:<yaml>' = the
+    cached offline distillation of that distill config (built on first use)."""
+    push_every: PosInt = 1
+    """Push the co-trained drafter into the engines every this many steps."""
+    tap_transport: Literal["auto", "shm", "gloo", "nccl", "cuda_ipc"] = "auto"
+    """How taps from earlier pipeline stages reach the drafter's stage (TapChannel). auto = shm on
+    CPU, cuda_ipc on GPU (both within one node; gloo / nccl across nodes)."""
+    tap_timeout_s: PosFloat = 120.0
+    """Seconds the drafter's stage waits for a tap (or a writer for a free slot) before the step
+    fails with an error naming the layer and source rank."""
 
     _kinds: dict[str, DraftKindConfig] = PrivateAttr(default_factory=dict)
 

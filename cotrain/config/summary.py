@@ -40,8 +40,9 @@ def summary_rows(cfg: CotrainConfig) -> list[tuple[str, str]]:
     else:
         s = d.settings
         extra = ", ".join(f"{k}={v}" for k, v in s.model_dump().items()) if s is not None else ""
-        rows.append(("drafter", f"{d.kind} ({'co-trained' if d.cotrain else 'fixed'}, loss {d.loss} x "
-                                f"{d.loss_weight:g}, lr {d.optimizer.lr:g}); {extra}"))
+        how = (f"co-trained from {d.init or 'scratch'}, loss {d.loss}, lr {d.optimizer.lr:g}, pushed every "
+               f"{d.push_every} step(s), taps via {d.tap_transport}") if d.cotrain else "fixed"
+        rows.append(("drafter", f"{d.kind} ({how}); {extra}"))
     mb = cfg.micro_batches_per_update
     rows += [
         ("grpo", f"{g.num_steps} steps x {g.prompts_per_step} prompts x {g.group_size} samples = "

@@ -133,6 +133,8 @@ def resolve(cfg: CotrainConfig, arch: ModelArch | None) -> None:
             r.kv_cache_memory_bytes = 256 * 2**20
     if r.weight_transport == "auto":
         r.weight_transport = ("cuda_ipc" if r.colocate else "nccl") if cuda else "shm"
+    if cfg.draft.tap_transport == "auto":
+        cfg.draft.tap_transport = "cuda_ipc" if cuda else "shm"
     kind = _kind(cfg)
     if kind is not None:
         if cfg.draft.loss is None:
@@ -344,6 +346,87 @@ def check_draft(cfg: CotrainConfig, arch: ModelArch | None) -> list[Issue]:
     if not d.cotrain and spec.draft_model is None:
         issues.append(("draft.cotrain", f"false with draft.kind={d.kind} and no drafter weights: the drafter "
                        "would stay random (allowed: true, or set rollout.speculative.draft_model)"))
+    if not d.cotrain:
+        for key in ("init", "push_every", "tap_timeout_s"):
+            if key in d.model_fields_set:
+                issues.append((f"draft.{key}", "is used only when co-training (draft.cotrain=false: the engines "
+                               "serve rollout.speculative.draft_model as it is)"))
+        return issues
+    if spec.draft_model is not None:
+        issues.append(("rollout.speculative.draft_model", "must be null with draft.cotrain=true: the engines serve "
+                       "the co-trained drafter (set its initial weights with draft.init)"))
+    cuda = cfg.cluster.device == "cuda"
+    t = d.tap_transport
+    if t in ("nccl", "cuda_ipc") and not cuda:
+        issues.append(("draft.tap_transport", f"{t} needs cluster.device=cuda (allowed on cpu: shm, gloo, auto)"))
+    if t in ("shm", "cuda_ipc") and cfg.cluster.num_nodes > 1 and cfg.policy.parallel.pipeline > 1:
+        issues.append(("draft.tap_transport", f"{t} works within one node, cluster.num_nodes={cfg.cluster.num_nodes} "
+                       "(allowed: " + ("nccl" if cuda else "gloo") + ")"))
+    if d.init is not None and arch is not None:
+        issues += check_draft_init(cfg, arch)
+    return issues
+
+
+#: drafter settings that shape its tensors: a drafter directory must agree with the config on them
+_STRUCTURAL = ("tap_layers", "num_layers", "markov_rank", "markov_head", "confidence_head", "draft_vocab_size")
+
+
+def check_draft_init(cfg: CotrainConfig, arch: ModelArch) -> list[Issue]:
+    """``draft.init``: a drafter directory or ``distill:<yaml>`` that fits draft.kind and the policy."""
+    d, key = cfg.draft, "draft.init"
+    init = d.init
+    if init.startswith("distill:"):
+        from .distill import load_distill_config
+
+        path = init[len("distill:"):]
+        if not Path(path).is_file():
+            return [(key, f"{path!r} does not exist (allowed: distill:<a distill config YAML>, a drafter "
+                     "directory, or null = from scratch)")]
+        try:
+            dc = load_distill_config(path)
+        except (ValidationError, ValueError, ConfigError) as e:
+            return [(key, f"{path} is not a valid distill config: {' '.join(str(e).split())[:400]}")]
+        try:
+            target = load_model_arch(dc.target, key)
+        except ConfigError as e:
+            return [(key, f"{path}: target {dc.target!r}: {e.issues[0][1]}")]
+        settings = dc.draft.settings.model_copy(deep=True)
+        settings.resolve(target.num_hidden_layers)
+        return _fits(key, f"the drafter distilled by {path}", dc.draft.kind, settings.model_dump(),
+                     target.hidden_size, target.vocab_size, cfg, arch)
+    p = Path(init)
+    if not (p / "config.json").is_file():
+        return [(key, f"{init!r} is not a drafter directory (no config.json; allowed: the distill command's "
+                 "<output_dir>/drafter, distill:<yaml>, or null = from scratch)")]
+    try:
+        config = json.loads((p / "config.json").read_text())
+        meta = json.loads((p / "cotrain_drafter.json").read_text()) if (p / "cotrain_drafter.json").is_file() else {}
+    except (OSError, ValueError) as e:
+        return [(key, f"cannot read {init}: {e}")]
+    kind = meta.get("kind") or config.get("cotrain", {}).get("kind")
+    if kind is None:
+        return [(key, f"{init} is not a cotrain drafter (no cotrain_drafter.json or config.json 'cotrain' section)")]
+    settings = dict(meta.get("settings") or {})
+    settings.setdefault("tap_layers", config.get("cotrain", {}).get("tap_layers"))
+    hidden = config.get("target_hidden_size", config.get("hidden_size"))
+    return _fits(key, f"the drafter in {init}", kind, settings, hidden, config.get("vocab_size"), cfg, arch)
+
+
+def _fits(key: str, what: str, kind: str, settings: dict, hidden, vocab, cfg: CotrainConfig,
+          arch: ModelArch) -> list[Issue]:
+    d = cfg.draft
+    if kind != d.kind:
+        return [(key, f"{what} is a {kind} drafter, draft.kind is {d.kind} (allowed: a {d.kind} drafter)")]
+    issues = []
+    if hidden is not None and hidden != arch.hidden_size:
+        issues.append((key, f"{what} was made for hidden size {hidden}, the policy's is {arch.hidden_size}"))
+    if vocab is not None and arch.vocab_size is not None and vocab != arch.vocab_size:
+        issues.append((key, f"{what} was made for a vocabulary of {vocab}, the policy's is {arch.vocab_size}"))
+    mine = d.settings.model_dump()
+    for name in _STRUCTURAL:
+        if name in settings and name in mine and settings[name] != mine[name]:
+            issues.append((f"draft.{d.kind}.{name}", f"{mine[name]} differs from {what} ({settings[name]}); "
+                           f"set it to {settings[name]} or train from scratch (draft.init=null)"))
     return issues
 
 

@@ -19,10 +19,11 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from cotrain.draft.distill import DistillConfig, distill, load_distill_config
+from cotrain.config.distill import DistillConfig, load_distill_config
+from cotrain.draft.distill import distill
 
 _CODE_FILES = ("common.py", "registry.py", "eagle3.py", "dflash.py", "dspark.py", "losses.py", "taps.py",
-               "distill.py", "export.py")
+               "distill.py", "export.py", "optim.py")
 
 
 def _code_hash() -> str:

@@ -22,107 +22,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Optional
 
 import torch
-from pydantic import Field, ValidationError
+from pydantic import ValidationError
 
-from cotrain.config.schema import DraftConfig, OptimizerConfig, StrictModel
+from cotrain.config.distill import DistillConfig, DistillDataConfig, load_distill_config
 from cotrain.draft.acceptance import estimate_acceptance
 from cotrain.draft.common import DraftBatch, select_sequences
 from cotrain.draft.losses import draft_loss, target_probs
+from cotrain.draft.optim import clip_, lr_at, make_optimizer, set_lr
 from cotrain.draft.registry import Drafter, build_drafter
-
-
-# ------------------------------------------------------------------------------------------ config
-class DistillDataConfig(StrictModel):
-    """Prompts and the target's responses."""
-
-    task: Literal["arithmetic", "jsonl"] = "arithmetic"
-    """Prompt source: the built-in arithmetic task or a JSONL file (``jsonl_path``)."""
-    jsonl_path: Optional[str] = None
-    """JSONL file with one ``{"prompt": ...}`` object per line (task jsonl)."""
-    prompt_key: str = "prompt"
-    """Key of the prompt in the JSONL objects."""
-    max_digits: Optional[Annotated[int, Field(ge=1, le=9)]] = None
-    """Arithmetic task: most digits per operand. null = the built-in tiny model's task."""
-    num_prompts: Annotated[int, Field(ge=1)] = 1000
-    """Training prompts."""
-    eval_prompts: Annotated[int, Field(ge=1)] = 200
-    """Held-out prompts for the acceptance estimate."""
-    max_new_tokens: Annotated[int, Field(ge=1)] = 16
-    """Longest response."""
-    tail_tokens: Annotated[int, Field(ge=0)] = 8
-    """Target greedy tokens kept after EOS (at least the number of draft tokens you serve with)."""
-    temperature: Annotated[float, Field(ge=0)] = 0.0
-    """Sampling temperature of the responses (0 = greedy)."""
-    seed: int = 7
-    """Seed of the prompts and of response sampling."""
-
-
-class DistillTrainConfig(StrictModel):
-    """The optimisation loop."""
-
-    steps: Annotated[int, Field(ge=1)] = 300
-    """Optimizer steps."""
-    batch_size: Annotated[int, Field(ge=1)] = 32
-    """Sequences per step."""
-    eval_every: Annotated[int, Field(ge=0)] = 50
-    """Acceptance estimate every this many steps (0 = only at the end)."""
-    num_speculative_tokens: Optional[Annotated[int, Field(ge=1)]] = None
-    """Draft tokens k of the acceptance estimate. null = the drafter's default."""
-    seed: int = 0
-    """Seed of the drafter's initialisation and of batch / anchor sampling."""
-
-
-class DistillConfig(StrictModel):
-    """Offline distillation of a drafter from a target."""
-
-    target: str = "builtin:tiny"
-    """The target: 'builtin:tiny' or a Hugging Face checkpoint directory."""
-    output_dir: str = "runs/distill"
-    """Where the drafter, metrics and curves go."""
-    threads: Optional[Annotated[int, Field(ge=1)]] = 1
-    """torch CPU threads (null = leave torch's default). The tiny shapes run fastest on one thread,
-    and many threads on a busy machine can be much slower."""
-    progress_bar: bool = True
-    """Show a tqdm progress bar."""
-    draft: DraftConfig = Field(default_factory=lambda: DraftConfig.model_validate(
-        {"kind": "eagle3", "optimizer": {"lr": 3e-3, "warmup_steps": 20, "schedule": "cosine", "min_lr": 1e-4}}))
-    """The drafter (same section as a cotrain run's ``draft``); ``kind`` must be set."""
-    data: DistillDataConfig = Field(default_factory=DistillDataConfig)
-    """Prompts and responses."""
-    train: DistillTrainConfig = Field(default_factory=DistillTrainConfig)
-    """Optimisation."""
-
-
-def load_distill_config(path: Optional[str | Path] = None, overrides: list[str] = ()) -> DistillConfig:
-    from cotrain.config.loader import deep_merge, load_merged, parse_override
-
-    data: dict[str, Any] = {}
-    if path is not None:
-        data, _ = load_merged(path)
-    for text in overrides:
-        keys, value = parse_override(text)
-        patch: Any = value
-        for key in reversed(keys):
-            patch = {key: patch}
-        data = deep_merge(data, patch)
-    cfg = DistillConfig.model_validate(data)
-    if cfg.draft.kind is None:
-        raise ValueError("draft.kind must name a drafter (eagle3, dflash, dspark)")
-    loss = cfg.draft.loss or cfg.draft.settings.default_loss
-    if loss not in cfg.draft.settings.allowed_losses:
-        raise ValueError(f"draft.loss: {loss!r} is not allowed for kind {cfg.draft.kind!r} "
-                         f"(allowed: {', '.join(cfg.draft.settings.allowed_losses)})")
-    return cfg
 
 
 # -------------------------------------------------------------------------------------------- data
@@ -207,16 +123,6 @@ def records_to_batch(records: list[Record], model, tap_layers: list[int]) -> Dra
 
 
 # ------------------------------------------------------------------------------------------ train
-def lr_at(step: int, total: int, opt: OptimizerConfig) -> float:
-    if opt.warmup_steps and step < opt.warmup_steps:
-        return opt.lr * (step + 1) / opt.warmup_steps
-    if opt.schedule == "cosine":
-        span = max(1, total - opt.warmup_steps)
-        t = min(1.0, (step - opt.warmup_steps) / span)
-        return opt.min_lr + 0.5 * (opt.lr - opt.min_lr) * (1 + math.cos(math.pi * t))
-    return opt.lr
-
-
 def train_step(drafter: Drafter, batch: DraftBatch, loss_name: str, optimizer: torch.optim.Optimizer,
                clip: float, generator: torch.Generator, extra: Optional[dict] = None) -> dict:
     """One optimizer step on ``batch``; returns metrics (loss, overlap, top1_match, grad_norm)."""
@@ -228,10 +134,9 @@ def train_step(drafter: Drafter, batch: DraftBatch, loss_name: str, optimizer: t
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     params = [q for q in drafter.parameters() if q.grad is not None]
-    gn = torch.nn.utils.clip_grad_norm_(params, clip) if clip > 0 else torch.sqrt(
-        sum((q.grad.float() ** 2).sum() for q in params))
+    gn = clip_(params, clip)
     optimizer.step()
-    metrics["grad_norm"] = float(gn)
+    metrics["grad_norm"] = gn
     return metrics
 
 
@@ -251,9 +156,7 @@ def train_drafter(drafter: Drafter, train: DraftBatch, evals: DraftBatch, cfg: D
 
     opt_cfg = cfg.draft.optimizer
     loss_name = cfg.draft.loss or cfg.draft.settings.default_loss
-    params = [q for q in drafter.parameters() if q.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=opt_cfg.lr, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps,
-                                  weight_decay=opt_cfg.weight_decay)
+    optimizer = make_optimizer(drafter, opt_cfg)
     gen = torch.Generator().manual_seed(cfg.train.seed)
     k = cfg.train.num_speculative_tokens or drafter.default_num_speculative_tokens()
     k = min(k, drafter.draft_width)
@@ -274,8 +177,7 @@ def train_drafter(drafter: Drafter, train: DraftBatch, evals: DraftBatch, cfg: D
     drafter.train()
     for step in bar:
         lr = lr_at(step, cfg.train.steps, opt_cfg)
-        for g in optimizer.param_groups:
-            g["lr"] = lr
+        set_lr(optimizer, lr)
         seqs = torch.randint(0, train.num_seqs, (cfg.train.batch_size,), generator=gen)
         batch = select_sequences(train, seqs)
         t0 = time.perf_counter()

@@ -23,6 +23,12 @@ class TrainBatch:
     rollout_logprobs: torch.Tensor  # [N, S] the sampler's log-probs on response targets (0 elsewhere)
     old_logprobs: torch.Tensor | None = None  # [N, S] trainer's log-probs before the update
     ref_logprobs: torch.Tensor | None = None  # [N, S] reference policy's log-probs
+    lengths: torch.Tensor | None = None  # [N] real tokens per row (prompt + response), at most S
+
+    def __post_init__(self) -> None:
+        if self.lengths is None:  # from the mask: the last response target t predicts token t + 1
+            last = torch.where(self.mask.bool(), torch.arange(self.seq_len), -1).max(dim=1).values
+            self.lengths = torch.clamp(last + 2, max=self.seq_len)
 
     def __len__(self) -> int:
         return self.inputs.shape[0]
@@ -76,5 +82,7 @@ def build_batch(samples: list[Sample], advantages: list[float], pad_id: int, mul
         mask[i, start:end] = 1
         if s.logprobs:
             rollout_lp[i, start:end] = torch.tensor(s.logprobs, dtype=torch.float32)
+    lengths = torch.tensor([min(len(seq), S) for seq in seqs], dtype=torch.int64)
     return TrainBatch(inputs=tokens[:, :-1].contiguous(), targets=tokens[:, 1:].contiguous(), mask=mask,
-                      advantages=torch.tensor(advantages, dtype=torch.float32), rollout_logprobs=rollout_lp)
+                      advantages=torch.tensor(advantages, dtype=torch.float32), rollout_logprobs=rollout_lp,
+                      lengths=lengths)

@@ -5,8 +5,10 @@
         rollouts  <- group_size samples per prompt from the engines (current weights)
         rewards   <- verifiable reward of each response
         advantages<- group-normalised rewards
-        update    <- recompute log-probs, one GRPO optimizer step on the trainers
-        push      <- new policy weights into the engines (versioned)
+        log-probs <- the policy's recomputation on the rollout batch; the co-trained drafter
+                     trains on this very forward (its taps, the policy's detached logits)
+        update    <- GRPO optimizer step on the trainers
+        push      <- new policy (and drafter) weights into the engines (versioned)
         metrics   -> JSONL / TensorBoard / W&B / MLflow;  checkpoint every N steps
 
 The workers are reached only through their interfaces (:mod:`cotrain.rl.interfaces`); how they are
@@ -17,8 +19,10 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -69,6 +73,31 @@ def rollout_metrics(gm: dict[str, float]) -> dict[str, float]:
     return m
 
 
+def draft_step_metrics(dm: dict[str, float], update_s: float) -> dict[str, float]:
+    """The drafter's metrics from the trainer, plus its update-time overhead: the drafter's time over
+    the rest of the update phase (the paper's "update-time overhead")."""
+    m = dict(dm)
+    draft_s = m.pop("draft/time_s", 0.0)
+    m["time/draft"] = draft_s
+    rest = update_s - draft_s
+    m["draft/update_overhead"] = draft_s / rest if rest > 0 else float("nan")
+    return m
+
+
+def resolve_draft_init(cfg) -> str | None:
+    """The directory of the co-trained drafter's initial weights (``draft.init``), building the cached
+    offline distillation first for ``distill:<yaml>``; None = from scratch."""
+    init = cfg.draft.init
+    if init is None:
+        return None
+    if init.startswith("distill:"):
+        from cotrain.draft.cache import ensure_distilled
+
+        print(f"drafter init: the offline distillation of {init[len('distill:'):]} (cached after the first run)")
+        return str(ensure_distilled(init[len("distill:"):], progress=cfg.logging.progress_bar) / "drafter")
+    return init
+
+
 def init_ray(cfg) -> None:
     import ray
 
@@ -105,6 +134,7 @@ class GrpoRun:
         self.cfg = cfg
         self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
         self.trainer = self.rollout = self.logger = None
+        self.rejected_draft_pushes = 0
 
     def setup(self, resume) -> None:
         from transformers import AutoTokenizer
@@ -119,9 +149,13 @@ class GrpoRun:
         train, self.eval_problems = load_problems(cfg)
         self.stream = PromptStream(train, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         self.state = DriverState()
+        draft_init = resolve_draft_init(cfg) if self.cotrain else None
         init_ray(cfg)
-        self.trainer = TrainerGroup(cfg, self.model_path)
-        self.rollout = RolloutGroup.from_config(cfg, model_path=self.model_path)
+        self.trainer = TrainerGroup(cfg, self.model_path, draft_init=draft_init)
+        served_draft = None
+        if self.serves_cotrained_drafter:  # the engines start with the trainer's initial drafter
+            served_draft = self.trainer.export_draft_dir(str(Path(cfg.run.output_dir) / "drafter_init"))
+        self.rollout = RolloutGroup.from_config(cfg, model_path=self.model_path, draft_model=served_draft)
         if cfg.rollout.weight_transport == "nccl":  # GPU engines on other devices: a broadcast group
             self.trainer.connect_weight_broadcast(self.rollout)
         resume_dir = self.ckpt.resolve(resume) if resume else None
@@ -130,9 +164,22 @@ class GrpoRun:
             saved = self.ckpt.load_driver_state(resume_dir)
             self.state = DriverState(step=saved["step"], data=saved["data"])
             self.stream.load_state(self.state.data)
-            self.push_policy(version=self.state.step)  # engines serve exactly the checkpointed policy
+            self.push("policy", version=self.state.step)  # engines serve exactly the checkpointed policy
+            if self.serves_cotrained_drafter:
+                self.push("draft", version=self.state.step)  # ... and drafter
             print(f"resumed from {resume_dir} at step {self.state.step}")
         self.logger = MetricsLogger(cfg, resume_step=self.state.step)
+
+    @property
+    def cotrain(self) -> bool:
+        """The drafter is trained online inside the step."""
+        return self.cfg.draft.kind is not None and self.cfg.draft.cotrain
+
+    @property
+    def serves_cotrained_drafter(self) -> bool:
+        """The engines draft with the co-trained drafter (else it trains, measured offline only)."""
+        d, spec = self.cfg.draft, self.cfg.rollout.speculative
+        return self.cotrain and spec.method is not None and spec.method == d.settings.vllm_method
 
     # ------------------------------------------------------------------ one step
     def sampling(self, step: int) -> SamplingSpec:
@@ -153,11 +200,15 @@ class GrpoRun:
         cp = cfg.policy.parallel.context  # zigzag CP splits every sequence into 2*CP equal chunks
         batch = build_batch(flat, adv.flatten().tolist(), self.pad_id, multiple_of=2 * cp if cp > 1 else 1)
         with timed(m, "time/update"):
-            batch.old_logprobs, batch.ref_logprobs = self.trainer.logprobs(batch)
+            # the log-prob recomputation; the co-trained drafter takes its step on this same forward
+            lp = self.trainer.logprobs(batch, draft_step=step if self.cotrain else None)
+            batch.old_logprobs, batch.ref_logprobs = lp.logprobs, lp.ref_logprobs
             m.update(train_inference_kl(batch))
             train_metrics = self.trainer.train_step(batch)
         with timed(m, "time/weight_push"):
-            self.push_policy(version=step)
+            self.push("policy", version=step)
+            if self.serves_cotrained_drafter and step % cfg.draft.push_every == 0:
+                m.update(self.push_draft(step))
         m.update({
             "reward/mean": rewards.mean().item(),
             "reward/std": rewards.std().item(),
@@ -170,15 +221,33 @@ class GrpoRun:
         })
         if "kl_ref" in train_metrics:
             m["kl/ref"] = train_metrics["kl_ref"]
+        if lp.draft_metrics is not None:
+            m.update(draft_step_metrics(lp.draft_metrics, m["time/update"]))
         m.update(rollout_metrics(gen.metrics))
         return m
 
-    def push_policy(self, version: int) -> None:
-        handle = self.trainer.export_policy(version, self.cfg.rollout.weight_transport)
+    def push(self, kind: str, version: int) -> None:
+        handle = self.trainer.export(kind, version, self.cfg.rollout.weight_transport)
         try:
-            self.rollout.push_handle("policy", handle, version)
+            self.rollout.push_handle(kind, handle, version)
         finally:
             self.trainer.release_export(handle)
+
+    def push_draft(self, step: int) -> dict[str, float]:
+        """Push the co-trained drafter; a rejected push leaves the engines on the previous drafter
+        and is reported (a warning and ``draft/push_ok`` = 0), never ignored."""
+        from cotrain.rl.weight_transport import WeightPushError
+
+        t0 = time.perf_counter()
+        try:
+            self.push("draft", version=step)
+            ok = 1.0
+        except WeightPushError as e:
+            ok = 0.0
+            self.rejected_draft_pushes += 1
+            warnings.warn(f"step {step}: the drafter push was rejected, the engines keep serving the previous "
+                          f"drafter ({self.rejected_draft_pushes} rejected so far): {e}", stacklevel=2)
+        return {"draft/push_ok": ok, "time/draft_push": time.perf_counter() - t0}
 
     def evaluate(self) -> dict[str, float]:
         e = self.cfg.data.eval
@@ -223,18 +292,7 @@ class GrpoRun:
                 workers.shutdown()
 
 
-def check_supported(cfg) -> None:
-    """Refuse, before anything starts, what the loop does not do yet (rather than ignore it)."""
-    if cfg.draft.kind is not None and cfg.draft.cotrain:
-        raise NotImplementedError(
-            f"draft.cotrain: true (draft.kind={cfg.draft.kind}) - co-training the drafter inside the GRPO step "
-            "is not wired into the loop yet. Train the drafter offline (python -m cotrain.draft.distill --config "
-            f"configs/distill_{cfg.draft.kind}.yaml) and serve it frozen with rollout.speculative.draft_model=<its "
-            "drafter/ directory> draft.cotrain=false.")
-
-
 def main(cfg, resume=False) -> int:
-    check_supported(cfg)
     run = GrpoRun(cfg)
     try:
         run.setup(resume)

@@ -69,10 +69,23 @@ class GenerationBackend(ABC):
         pass
 
 
+@dataclass
+class PolicyLogprobs:
+    """What the log-prob recomputation returns: [N, S] per-token log-probs of the current policy
+    (and of the reference policy when there is one) and, when the drafter trained on this forward,
+    its metrics (``draft/*``, ``tap/*``)."""
+
+    logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor | None = None
+    draft_metrics: dict[str, float] | None = None
+
+
 class TrainingBackend(ABC):
     @abstractmethod
-    def logprobs(self, batch: Any) -> list[torch.Tensor]:
-        """Per-sequence log-probabilities of the response tokens under the current policy."""
+    def logprobs(self, batch: Any, draft_step: int | None = None) -> PolicyLogprobs:
+        """Log-probabilities of the response tokens under the current policy. With ``draft_step``
+        (co-training), the co-trained drafter takes its step ``draft_step`` on this very forward:
+        its taps and the policy's detached logits."""
 
     @abstractmethod
     def train_step(self, batch: Any) -> dict[str, float]:
@@ -81,6 +94,15 @@ class TrainingBackend(ABC):
     @abstractmethod
     def named_weights(self, kind: WeightKind) -> dict[str, torch.Tensor]:
         """Full (gathered) weights in the names the rollout engines load."""
+
+    @abstractmethod
+    def export(self, kind: WeightKind, version: int, transport: str) -> dict:
+        """Publish the ``kind`` weights through a weight transport; returns the receivers' handle
+        (free it with :meth:`release_export` once every engine has loaded it)."""
+
+    @abstractmethod
+    def release_export(self, handle: dict) -> None:
+        """Free what :meth:`export` published."""
 
     def shutdown(self) -> None:  # noqa: B027 - optional
         pass

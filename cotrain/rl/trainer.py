@@ -39,7 +39,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 
 
 class MegatronPolicyWorker:
-    def __init__(self, cfg, model_path: str, rank: int, world_size: int, master_addr: str, master_port: int):
+    def __init__(self, cfg, model_path: str, rank: int, world_size: int, master_addr: str, master_port: int,
+                 draft_init: str | None = None):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         par = cfg.policy.parallel
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
@@ -80,6 +81,13 @@ class MegatronPolicyWorker:
             load_hf_weights(self.ref_model, hf_state, self.arch)
             self.ref_model.requires_grad_(False).eval()
         self.steps_done = 0
+        # the co-trained drafter: taps on every stage, the drafter on the last (collective to build)
+        self.draft = None
+        if cfg.draft.kind is not None and cfg.draft.cotrain:
+            from cotrain.rl.draft_stage import DraftStage
+
+            self.draft = DraftStage(cfg, self.model, self.dtype, model_path, init_dir=draft_init,
+                                    name=f"draft{master_port}")
 
     # ------------------------------------------------------------------ layout
     def info(self) -> dict:
@@ -109,24 +117,33 @@ class MegatronPolicyWorker:
         return TrainBatch.unzigzag(parts)
 
     # ------------------------------------------------------------------ forward machinery
-    def _token_logprobs(self, model, mb: TrainBatch) -> torch.Tensor:
-        """log pi(target) for every position, [b, S] (vocab-parallel safe)."""
+    def _token_logprobs(self, model, mb: TrainBatch, on_logits=None) -> torch.Tensor:
+        """log pi(target) for every position, [b, S] (vocab-parallel safe). On the last stage
+        ``on_logits`` receives the tempered logits [b, S, V/tp] (detached) first."""
         pos = torch.arange(mb.seq_len)[None].expand(len(mb), -1)
         logits = model(mb.inputs, pos, None)
         if not ps.is_pipeline_last_stage():
             return logits  # hidden states travelling to the next stage
         temperature = self.cfg.rollout.sampling.temperature or 1.0
         logits = logits.float() / temperature
+        if on_logits is not None:
+            on_logits(logits.detach())
         # [b, S, V/tp] -> -log p(target): Megatron's vocab-parallel cross-entropy handles TP
         return -tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(),
                                                              mb.targets.transpose(0, 1).contiguous()).transpose(0, 1)
 
-    def _run(self, model, micro: list[TrainBatch], loss_fn, forward_only: bool) -> list[dict]:
-        it = iter(micro)
+    def _run(self, model, micro: list[TrainBatch], loss_fn, forward_only: bool, draft_rows=None) -> list[dict]:
+        """Megatron's schedule over ``micro``; with ``draft_rows`` (one RolloutRows per microbatch)
+        the co-trained drafter rides on this forward (taps written, logits handed over)."""
+        it = iter(enumerate(micro))
 
         def forward_step(data_iterator, model_chunk):
-            mb = next(data_iterator)
-            return self._token_logprobs(model_chunk, mb), partial(loss_fn, mb)
+            i, mb = next(data_iterator)
+            on_logits = None
+            if draft_rows is not None:
+                self.draft.before_forward(i, mb.inputs.numel())
+                on_logits = partial(self.draft.after_logits, i, draft_rows[i])
+            return self._token_logprobs(model_chunk, mb, on_logits), partial(loss_fn, mb)
 
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=it, model=[model], num_microbatches=len(micro),
@@ -136,15 +153,43 @@ class MegatronPolicyWorker:
         return shard.split(max(1, len(shard) // self.cfg.policy.micro_batch_size))
 
     # ------------------------------------------------------------------ public API
+    def _draft_rows(self, full: TrainBatch) -> list:
+        """The drafter's view of each microbatch: whole rows (every position, also under CP) and the
+        rows' indices in the rollout batch."""
+        from cotrain.draft.online import RolloutRows
+
+        offset = ps.get_data_parallel_rank() * len(full)
+        rows = []
+        for mb in self._micro(full):
+            rows.append(RolloutRows(mb.inputs, mb.mask, mb.lengths, torch.arange(offset, offset + len(mb))))
+            offset += len(mb)
+        return rows
+
     @torch.no_grad()
-    def logprobs(self, batch: TrainBatch) -> dict | None:
-        """Current (and reference) policy log-probs of this rank's shard, on the output ranks."""
+    def logprobs(self, batch: TrainBatch, draft_step: int | None = None) -> dict | None:
+        """Current (and reference) policy log-probs of this rank's shard, on the output ranks.
+
+        With ``draft_step`` the co-trained drafter takes a step on this forward (the log-prob
+        recomputation of the policy that generated the rollouts; see docs/cotrain.md)."""
+        full = batch.split(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
         micro = self._micro(self._my_shard(batch))
         collect = lambda mb, lp: (lp.sum() * 0, {"lp": lp.detach().float() * mb.mask})  # noqa: E731
         self.model.eval()
         out = {"dp_rank": ps.get_data_parallel_rank()}
         last = ps.is_pipeline_last_stage()
-        res = self._run(self.model, micro, collect, forward_only=True)
+        drafting = draft_step is not None and self.draft is not None
+        rows = None
+        if drafting:
+            rows = self._draft_rows(full)
+            self.draft.begin(draft_step, len(micro))
+        try:
+            res = self._run(self.model, micro, collect, forward_only=True, draft_rows=rows)
+            if drafting:
+                out["draft_metrics"] = self.draft.end()
+        except BaseException:
+            if drafting:
+                self.draft.abort()
+            raise
         if last:
             out["logprobs"] = self._gather_cp(torch.cat([r["lp"] for r in res]))
         if self.ref_model is not None:
@@ -241,9 +286,30 @@ class MegatronPolicyWorker:
             stage.pop("output_layer.weight", None)
         return convert.megatron_to_hf(stage, self.arch) if self.rank == 0 else None
 
-    def export_policy(self, version: int, transport_name: str) -> dict | None:
-        """Publish the full policy through a weight transport; returns the handle on rank 0."""
-        state = self.full_policy_state()
+    def _draft_holder(self) -> bool:
+        """The rank whose drafter replica is exported: last stage, TP / CP / DP rank 0."""
+        return (self.draft is not None and self.draft.trainer is not None and ps.get_tensor_model_parallel_rank() == 0
+                and ps.get_context_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0)
+
+    def full_draft_state(self) -> dict[str, torch.Tensor] | None:
+        """The drafter's push tensors (vLLM names) on global rank 0 (None elsewhere). Rank 0's
+        pipeline ends at the holder, which sends them over when PP > 1."""
+        if self.draft is None:
+            raise RuntimeError("no co-trained drafter (draft.kind is null or draft.cotrain is false)")
+        state = self.draft.trainer.push_state() if self._draft_holder() else None
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            if self._draft_holder():
+                dist.send_object_list([state], dst=ps.get_pipeline_model_parallel_first_rank())
+                state = None
+            elif self.rank == 0:
+                box = [None]
+                dist.recv_object_list(box, src=ps.get_pipeline_model_parallel_last_rank())
+                state = box[0]
+        return state if self.rank == 0 else None
+
+    def export(self, kind: str, version: int, transport_name: str) -> dict | None:
+        """Publish the full policy or the drafter through a weight transport; the handle on rank 0."""
+        state = self.full_policy_state() if kind == "policy" else self.full_draft_state()
         if state is None:
             return None
         if getattr(self, "_transport", None) is None:
@@ -252,6 +318,13 @@ class MegatronPolicyWorker:
             # kept for the run: CUDA IPC exports stay valid only while the sender holds the tensors
             self._transport = make_transport(transport_name)
         return self._transport.send(state, version)
+
+    def export_draft_dir(self, path: str) -> str | None:
+        """Write the drafter in vLLM's format to ``path`` (the engines' initial drafter); the holder writes."""
+        if self._draft_holder():
+            self.draft.export_dir(path)
+            return str(path)
+        return None
 
     def connect_weight_broadcast(self, master_addr: str, master_port: int, world_size: int) -> None:
         """Rank 0 joins the dedicated broadcast group of the ``nccl`` weight transport (the engines
@@ -271,13 +344,15 @@ class MegatronPolicyWorker:
     def save_checkpoint(self, directory: str) -> None:
         from cotrain.rl.checkpoint import atomic_torch_save
 
-        atomic_torch_save({"model": tensor_state(self.model.module), "optimizer": self.optimizer.state_dict(),
-                           "steps_done": self.steps_done, "torch_rng": torch.get_rng_state(),
-                           "py_rng": random.getstate()},
-                          Path(directory) / f"trainer_rank{self.rank:04d}.pt")
+        state = {"model": tensor_state(self.model.module), "optimizer": self.optimizer.state_dict(),
+                 "steps_done": self.steps_done, "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}
+        if self.draft is not None and self.draft.trainer is not None:
+            state["draft"] = self.draft.trainer.state_dict()
+        atomic_torch_save(state, Path(directory) / f"trainer_rank{self.rank:04d}.pt")
 
     def load_checkpoint(self, directory: str) -> None:
-        state = torch.load(Path(directory) / f"trainer_rank{self.rank:04d}.pt", weights_only=False)
+        path = Path(directory) / f"trainer_rank{self.rank:04d}.pt"
+        state = torch.load(path, weights_only=False)
         missing, unexpected = self.model.module.load_state_dict(state["model"], strict=False)
         missing = [m for m in missing if not m.endswith("_extra_state")]
         if missing or unexpected:
@@ -287,7 +362,14 @@ class MegatronPolicyWorker:
         self.steps_done = state["steps_done"]
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["py_rng"])
+        if self.draft is not None and self.draft.trainer is not None:
+            if "draft" not in state:
+                raise RuntimeError(f"{path} holds no drafter state (saved without draft.cotrain); resume with the "
+                                   "same draft settings it was saved with")
+            self.draft.trainer.load_state_dict(state["draft"])
 
     def shutdown(self) -> None:
+        if self.draft is not None:
+            self.draft.close()
         if dist.is_initialized():
             dist.destroy_process_group()

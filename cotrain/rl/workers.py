@@ -12,7 +12,7 @@ import ray
 import torch
 
 from cotrain.rl.batch import TrainBatch
-from cotrain.rl.interfaces import TrainingBackend
+from cotrain.rl.interfaces import PolicyLogprobs, TrainingBackend
 
 
 @ray.remote
@@ -28,50 +28,84 @@ class TrainingWorker:
 
         return ray.util.get_node_ip_address(), find_free_port()
 
-    def setup(self, cfg, model_path: str, rank: int, world_size: int, addr: str, port: int) -> dict:
+    def setup(self, cfg, model_path: str, rank: int, world_size: int, addr: str, port: int,
+              draft_init: str | None = None) -> dict:
         from cotrain.rl.trainer import MegatronPolicyWorker
 
-        self.worker = MegatronPolicyWorker(cfg, model_path, rank, world_size, addr, port)
+        self.worker = MegatronPolicyWorker(cfg, model_path, rank, world_size, addr, port, draft_init)
         return self.worker.info()
 
     def call(self, method: str, *args):
         return getattr(self.worker, method)(*args)
 
 
+class TrainerRankDiedError(RuntimeError):
+    """A training rank's actor died; the step cannot complete."""
+
+
 class TrainerGroup(TrainingBackend):
-    def __init__(self, cfg, model_path: str):
+    """``world_size`` :class:`TrainingWorker` actors behind one :class:`TrainingBackend`.
+
+    ``draft_init``: directory of the co-trained drafter's initial weights (a drafter export), or
+    None (from scratch); only used with ``draft.cotrain``.
+    """
+
+    def __init__(self, cfg, model_path: str, draft_init: str | None = None):
         self.cfg = cfg
         n = cfg.world_size
         gpus = 1 if cfg.cluster.device == "cuda" else 0
         cpus = cfg.policy.cpus_per_worker
         self.actors = [TrainingWorker.options(num_cpus=cpus, num_gpus=gpus).remote(cpus) for _ in range(n)]
         addr, port = ray.get(self.actors[0].rendezvous_address.remote())
-        self.infos = ray.get([a.setup.remote(cfg, str(model_path), r, n, addr, port) for r, a in enumerate(self.actors)])
+        self.infos = self._wait([a.setup.remote(cfg, str(model_path), r, n, addr, port, draft_init)
+                                 for r, a in enumerate(self.actors)], "setup")
+
+    def _wait(self, refs: list, what: str) -> list:
+        """Results of one call per rank, in rank order. A rank whose actor dies fails the call at
+        once, naming the rank (the survivors may be blocked in a collective with it: they are not
+        waited for)."""
+        pending = {ref: r for r, ref in enumerate(refs)}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=None)
+            for ref in done:
+                rank = pending.pop(ref)
+                try:
+                    ray.get(ref)
+                except ray.exceptions.ActorDiedError as e:
+                    raise TrainerRankDiedError(f"training rank {rank} died during {what}: {_cause(e)}") from None
+        return ray.get(refs)
 
     def _all(self, method: str, *args) -> list:
         refs = [ray.put(a) if isinstance(a, TrainBatch) else a for a in args]
-        return ray.get([actor.call.remote(method, *refs) for actor in self.actors])
+        return self._wait([actor.call.remote(method, *refs) for actor in self.actors], method)
 
-    def logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Policy (and reference) log-probs for the whole batch, [N, S] each, in batch order."""
-        parts = sorted((r for r in self._all("logprobs", batch) if r is not None), key=lambda r: r["dp_rank"])
+    def logprobs(self, batch: TrainBatch, draft_step: int | None = None) -> PolicyLogprobs:
+        """Policy (and reference) log-probs for the whole batch, [N, S] each, in batch order; with
+        ``draft_step`` the co-trained drafter's step on the same forward (its metrics)."""
+        parts = sorted((r for r in self._all("logprobs", batch, draft_step) if r is not None), key=lambda r: r["dp_rank"])
         lp = torch.cat([p["logprobs"] for p in parts])
         ref = torch.cat([p["ref_logprobs"] for p in parts]) if "ref_logprobs" in parts[0] else None
-        return lp, ref
+        return PolicyLogprobs(lp, ref, parts[0].get("draft_metrics"))
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         (metrics,) = [m for m in self._all("train_step", batch) if m is not None]
         return metrics
 
     def named_weights(self, kind: str = "policy") -> dict[str, torch.Tensor]:
-        if kind != "policy":
-            raise ValueError(f"kind: {kind!r} is not held by the policy trainer (allowed: policy)")
-        (state,) = [s for s in self._all("full_policy_state") if s is not None]
+        if kind not in ("policy", "draft"):
+            raise ValueError(f"kind: {kind!r} (allowed: policy, draft)")
+        (state,) = [s for s in self._all("full_policy_state" if kind == "policy" else "full_draft_state")
+                    if s is not None]
         return state
 
-    def export_policy(self, version: int, transport: str) -> dict:
-        (handle,) = [h for h in self._all("export_policy", version, transport) if h is not None]
+    def export(self, kind: str, version: int, transport: str) -> dict:
+        (handle,) = [h for h in self._all("export", kind, version, transport) if h is not None]
         return handle
+
+    def export_draft_dir(self, path: str) -> str:
+        """Write the co-trained drafter's current weights as a vLLM drafter directory."""
+        (out,) = [p for p in self._all("export_draft_dir", str(path)) if p is not None]
+        return out
 
     def connect_weight_broadcast(self, rollout) -> None:
         """Set up the ``nccl`` weight transport: trainer rank 0 plus every engine worker in one
@@ -92,7 +126,14 @@ class TrainerGroup(TrainingBackend):
 
     def shutdown(self) -> None:
         try:
-            self._all("shutdown")
+            ray.get([a.call.remote("shutdown") for a in self.actors], timeout=60)
+        except Exception:
+            pass  # a dead or hung rank: the actors are killed below either way
         finally:
             for a in self.actors:
                 ray.kill(a)
+
+
+def _cause(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else repr(e)

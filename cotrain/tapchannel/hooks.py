@@ -13,6 +13,9 @@ num_tokens)`` before a forward (e.g. in ``forward_step_func``) names it explicit
 token count of a padded microbatch. A layer that runs again for the same microbatch (activation
 recomputation) is not written twice.
 
+``hooks.enabled = False`` switches the writers off (nothing is written, the microbatch counter does not
+move): a training step taps only the forward that feeds the drafter, not the others it runs.
+
 Not supported: sequence parallelism (the layer output would be a TP shard of the sequence); with
 context parallelism each CP rank's pipeline carries its own tokens' taps.
 """
@@ -61,6 +64,7 @@ class TapHooks:
         self._mb = -1
         self._num_tokens: int | None = None
         self._written: set[tuple[int, int]] = set()
+        self.enabled = True
         cfg = self.model.config
         if getattr(cfg, "sequence_parallel", False):
             raise NotImplementedError("TapChannel hooks do not support sequence parallelism (sharded layer outputs)")
@@ -90,6 +94,8 @@ class TapHooks:
         self._pending = (int(microbatch), None if num_tokens is None else int(num_tokens))
 
     def _pre(self, module, args):
+        if not self.enabled:
+            return
         if self._step != self.channel.step:  # a new step: the counter restarts
             self._step, self._mb = self.channel.step, -1
             self._written.clear()
@@ -100,6 +106,8 @@ class TapHooks:
             self._mb, self._num_tokens = self._mb + 1, None
 
     def _hook(self, layer: int, module, inputs, output):
+        if not self.enabled:
+            return
         key = (layer, self._mb)
         if key in self._written:  # recomputation of an already tapped forward
             return

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cotrain.draft.distill import load_distill_config, lr_at, main
+from cotrain.draft.distill import load_distill_config, main
+from cotrain.draft.optim import lr_at
 
 REPO = Path(__file__).resolve().parents[2]
 DISTILL_CONFIGS = sorted((REPO / "configs").glob("distill_*.yaml"))

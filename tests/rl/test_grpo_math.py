@@ -75,17 +75,3 @@ def test_aggregation_modes():
     # splitting into micro-batches with global counts sums back to the global value
     parts = sum(aggregate(tl[i:i + 1], mask[i:i + 1], "token_mean", num_tokens=4) for i in range(2))
     assert parts.item() == pytest.approx(10 / 4)
-
-
-def test_unsupported_drafter_cotraining_is_refused_before_anything_starts():
-    """`draft.cotrain` is not acted on by the loop yet: the driver must say so, not ignore it."""
-    from pathlib import Path
-
-    from cotrain.config import load_config
-    from cotrain.rl.driver import check_supported
-
-    root = Path(__file__).resolve().parents[2]
-    cfg = load_config(root / "configs" / "demo_eagle3.yaml")
-    with pytest.raises(NotImplementedError, match="draft.cotrain: true.*distill"):
-        check_supported(cfg)
-    check_supported(load_config(root / "configs" / "demo.yaml"))  # no drafter: fine

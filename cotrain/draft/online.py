@@ -1,0 +1,276 @@
+"""Online drafter training: the drafter's side of one GRPO step (co-training), on one rank.
+
+The policy's forward over the rollout batch hands this module, microbatch by microbatch, the rows
+the policy saw (token ids, which targets are response tokens), the drafter's taps from that forward
+and the policy's logits (detached, at the sampling temperature). :class:`OnlineDraftTrainer` turns
+them into a :class:`~cotrain.draft.common.DraftBatch`, runs the drafter forward and backward and, at
+the end of the step, takes one optimizer step of its own::
+
+    trainer.begin_step(step, embed=..., lm_head=...)     # the policy's current shared tensors
+    for each microbatch:  trainer.microbatch(rows, taps, logits)
+    metrics = trainer.end_step()                          # reduce, normalise, clip, AdamW step
+
+Loss normalisation. Over every rank r of the reduce group (the last stage's DP x CP ranks), every
+chain c of the step and every valid draft position j, with the loss's position weights w_j,
+
+    L = sum_{r,c,j} w_j l_{cj} / sum_{r,c,j} w_j.
+
+Each rank backpropagates its local sum D_r * mean_r (D_r = its local weight sum); after the last
+microbatch the gradients and the D_r are summed over the group and the gradients divided by
+D = sum_r D_r. That is the gradient of one process on the whole batch, whatever the layout.
+
+Context parallelism (C > 1): a rank holds the zigzag shard of every row (chunks r and 2C-1-r of the
+row's S positions, :mod:`cotrain.parallel.zigzag`), so rows are taken whole (S positions, padding
+included) and the taps / logits arrive in that shard's order; the drafter's branch attention runs
+over ``cp_group`` and :func:`~cotrain.draft.cp.fetch_rows` brings the target rows a chain needs from
+the rank that owns them. At C = 1 the padding is dropped. Anchors of block drafters are drawn per
+row from a generator seeded by (seed, step, the row's index in the rollout batch), so every CP rank
+draws the same anchors and the draw does not depend on the DP / PP / CP layout.
+
+Acceptance (``acceptance_offline``): on the step's chains, 1 + the number of leading drafts equal
+to the policy's greedy token at their position, over the first ``k`` drafts (teacher forcing on the
+rollout tokens; see :mod:`cotrain.draft.acceptance`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cotrain.draft.acceptance import accept_lengths
+from cotrain.draft.common import DraftBatch
+from cotrain.draft.cp import fetch_rows
+from cotrain.draft.dflash import BlockDrafter
+from cotrain.draft.losses import _weights, draft_loss
+from cotrain.draft.optim import clip_, lr_at, make_optimizer, set_lr
+from cotrain.draft.registry import Drafter
+
+
+@dataclass
+class RolloutRows:
+    """Rows of the training batch as the policy sees them (right-padded to S positions).
+
+    inputs   [b, S] token ids (every position, also under CP: ids are small and global).
+    mask     [b, S] 1 where the target at position t (token t + 1) is a response token.
+    lengths  [b]    real tokens per row (prompt + response), at most S.
+    seq_ids  [b]    index of each row in the whole rollout batch (seeds its anchors).
+    """
+
+    inputs: torch.Tensor
+    mask: torch.Tensor
+    lengths: torch.Tensor
+    seq_ids: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        return self.inputs.shape[1]
+
+    def __len__(self) -> int:
+        return self.inputs.shape[0]
+
+
+def to_draft_batch(rows: RolloutRows, taps: torch.Tensor, logits: torch.Tensor, cp_size: int = 1
+                   ) -> tuple[DraftBatch, torch.Tensor]:
+    """(DraftBatch, target logits in the batch's local row order).
+
+    ``taps`` [b * S / C, n_taps * H] and ``logits`` [b * S / C, V] are this rank's rows in the
+    policy's batch-major order (its zigzag shard under CP).
+    """
+    b, S = rows.inputs.shape
+    supervised = torch.zeros(b, S, dtype=torch.bool)
+    supervised[:, 1:] = rows.mask[:, :-1].bool()  # token t is a response token iff target t-1 is
+    any_resp = supervised.any(dim=1)
+    first = torch.where(any_resp, supervised.float().argmax(dim=1), rows.lengths)
+    if cp_size == 1:
+        lengths = rows.lengths.to(torch.int64)
+        keep = torch.cat([i * S + torch.arange(int(n)) for i, n in enumerate(lengths.tolist())])
+        ids, lm = rows.inputs.reshape(-1)[keep], supervised.reshape(-1)[keep]
+        taps, logits = taps[keep], logits[keep]
+        target_logits = logits
+    else:
+        lengths = torch.full((b,), S, dtype=torch.int64)
+        ids, lm = rows.inputs.reshape(-1), supervised.reshape(-1)
+        target_logits = None
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+    batch = DraftBatch(input_ids=ids, cu_seqlens=cu, taps=taps, loss_mask=lm, target_logits=target_logits,
+                       response_start=first.to(torch.int64))
+    return batch, logits
+
+
+def anchor_seed(seed: int, step: int, seq_id: int) -> int:
+    """The seed of one row's anchor draw (a fixed mix of the run seed, the step and the row)."""
+    return ((int(seed) * 1_000_003 + int(step)) * 1_000_033 + int(seq_id)) % (2**63 - 1)
+
+
+def sample_block_anchors(drafter: BlockDrafter, batch: DraftBatch, seeds: list[int], per_seq: int) -> torch.Tensor:
+    """Up to ``per_seq`` anchors per sequence among the drafter's candidates, sequence s drawn with a
+    generator seeded ``seeds[s]`` (sorted packed positions)."""
+    cand = drafter.anchor_candidates(batch)
+    seq = batch.seq_of[cand]
+    out = []
+    for s in range(batch.num_seqs):
+        c = cand[seq == s]
+        if c.numel() > per_seq:
+            g = torch.Generator().manual_seed(int(seeds[s]))
+            c = torch.sort(c[torch.randperm(c.numel(), generator=g)[:per_seq]]).values
+        out.append(c)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
+
+
+class OnlineDraftTrainer:
+    """A drafter, its optimizer and schedule, trained one GRPO step at a time (see the module doc).
+
+    ``cp_group``: the CP group the drafter's branch attention runs over (None at CP = 1).
+    ``reduce_group``: the ranks whose gradients are summed (the last stage's DP x CP ranks; None = one rank).
+    ``total_steps``: optimizer steps of the run (the schedule's horizon). ``k``: drafts counted by
+    the offline acceptance (the served number of speculative tokens).
+    """
+
+    def __init__(self, drafter: Drafter, draft_cfg, total_steps: int, seed: int = 0, *, cp_size: int = 1,
+                 cp_group=None, reduce_group=None, k: Optional[int] = None):
+        self.drafter = drafter
+        self.cfg = draft_cfg
+        self.loss_name = draft_cfg.loss or draft_cfg.settings.default_loss
+        self.loss_extra = {n: float(getattr(draft_cfg.settings, n)) for n in ("l1_weight", "confidence_weight")
+                           if hasattr(draft_cfg.settings, n)}
+        self.total_steps = int(total_steps)
+        self.seed = int(seed)
+        self.cp_size, self.cp_group, self.reduce_group = int(cp_size), cp_group, reduce_group
+        self.k = min(int(k or drafter.default_num_speculative_tokens()), drafter.draft_width)
+        self.optimizer = make_optimizer(drafter, draft_cfg.optimizer)
+        self.steps_done = 0  # optimizer steps taken (the schedule's position)
+        self._step: Optional[int] = None
+        self._stats: dict[str, float] = {}
+        self._seconds = 0.0
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def set_shared(self, embed: Optional[torch.Tensor] = None, lm_head: Optional[torch.Tensor] = None) -> None:
+        """The target tensors the drafter borrows (vLLM shares them with the served policy)."""
+        if embed is not None:
+            self.drafter.embed_weight.copy_(embed.to(self.drafter.embed_weight.dtype))
+        if lm_head is not None:
+            self.drafter.target_lm_head.copy_(lm_head.to(self.drafter.target_lm_head.dtype))
+
+    def begin_step(self, step: int, embed: Optional[torch.Tensor] = None,
+                   lm_head: Optional[torch.Tensor] = None) -> None:
+        self._step = int(step)
+        self.set_shared(embed, lm_head)
+        self.drafter.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._stats = dict.fromkeys(("loss_sum", "weight", "overlap_sum", "top1_sum", "positions", "accept_sum",
+                                     "chains", "microbatches"), 0.0)
+        self._seconds = 0.0
+
+    def _layout(self, batch: DraftBatch, seq_ids: torch.Tensor):
+        if isinstance(self.drafter, BlockDrafter):
+            seeds = [anchor_seed(self.seed, self._step, s) for s in seq_ids.tolist()]
+            anchors = sample_block_anchors(self.drafter, batch, seeds, int(self.drafter.cfg.anchors_per_seq))
+            return self.drafter.build_layout(batch, cp_size=self.cp_size, anchors=anchors)
+        return self.drafter.build_layout(batch, cp_size=self.cp_size)
+
+    def microbatch(self, rows: RolloutRows, taps: torch.Tensor, logits: torch.Tensor) -> dict[str, float]:
+        """Forward and backward of the drafter on one microbatch (gradients accumulate)."""
+        if self._step is None:
+            raise RuntimeError("call begin_step before microbatch")
+        t0 = time.perf_counter()
+        batch, local_logits = to_draft_batch(rows, taps, logits, self.cp_size)
+        layout = self._layout(batch, rows.seq_ids)
+        with torch.enable_grad():
+            out = self.drafter(batch, layout, group=self.cp_group if self.cp_size > 1 else None)
+            if self.cp_size > 1:
+                shape = out.target_rows.shape
+                tl = fetch_rows(local_logits, out.target_rows, layout, self.cp_group).view(*shape, -1)
+            else:
+                tl = local_logits[out.target_rows.clamp(min=0)]
+            p = F.softmax(tl.float(), dim=-1)
+            labels = batch.input_ids[(out.target_rows + 1).clamp(min=0, max=batch.num_tokens - 1)]
+            loss, m = draft_loss(self.loss_name, out, p, labels=labels, **self.loss_extra)
+            weight = float(_weights(out.valid, out.loss_weight).sum())
+            if weight > 0:
+                (loss * weight).backward()
+        with torch.no_grad():
+            valid = out.valid
+            n = float(valid.sum())
+            first = valid[:, 0]
+            greedy = (out.logits.argmax(-1) == tl.argmax(-1)) & valid
+            lens = accept_lengths(greedy[first], self.k)
+        st = self._stats
+        st["loss_sum"] += m["loss"] * weight
+        st["weight"] += weight
+        st["overlap_sum"] += m["overlap"] * n
+        st["top1_sum"] += m["top1_match"] * n
+        st["positions"] += n
+        st["accept_sum"] += float(lens.sum())
+        st["chains"] += float(lens.numel())
+        st["microbatches"] += 1
+        self._seconds += time.perf_counter() - t0
+        return m
+
+    def end_step(self) -> dict[str, float]:
+        """Sum gradients and statistics over the reduce group, normalise, clip, step. Returns the
+        step's metrics (identical on every rank of the group)."""
+        if self._step is None:
+            raise RuntimeError("end_step without begin_step")
+        t0 = time.perf_counter()
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        keys = sorted(self._stats)
+        stats = torch.tensor([self._stats[k] for k in keys], dtype=torch.float64)
+        grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
+        if self.reduce_group is not None and dist.get_world_size(self.reduce_group) > 1:
+            flat = torch.cat([grads.double(), stats])
+            dist.all_reduce(flat, group=self.reduce_group)
+            grads, stats = flat[: grads.numel()].float(), flat[grads.numel():]
+        s = dict(zip(keys, stats.tolist()))
+        metrics = {"loss": s["loss_sum"] / s["weight"] if s["weight"] else float("nan"),
+                   "overlap": s["overlap_sum"] / s["positions"] if s["positions"] else float("nan"),
+                   "top1_match": s["top1_sum"] / s["positions"] if s["positions"] else float("nan"),
+                   "acceptance_offline": s["accept_sum"] / s["chains"] if s["chains"] else float("nan"),
+                   "positions": s["positions"], "chains": s["chains"]}
+        lr = lr_at(self.steps_done, self.total_steps, self.cfg.optimizer)
+        if s["weight"] > 0:
+            off = 0
+            for p in params:
+                g = grads[off: off + p.numel()].view_as(p).to(p.dtype) / s["weight"]
+                p.grad = g
+                off += p.numel()
+            metrics["grad_norm"] = clip_(params, self.cfg.optimizer.clip_grad)
+            set_lr(self.optimizer, lr)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        else:  # nothing supervised anywhere this step: no update, the schedule does not move
+            metrics["grad_norm"] = 0.0
+            metrics["skipped"] = 1.0
+        metrics["lr"] = lr
+        self.steps_done += int(s["weight"] > 0)
+        self._seconds += time.perf_counter() - t0
+        metrics["time_s"] = self._seconds
+        self._step = None
+        return metrics
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    def push_state(self) -> dict[str, torch.Tensor]:
+        """What a run-time update sends to the engines: the drafter's own tensors in vLLM names."""
+        sd = self.drafter.vllm_state_dict()
+        return {n: sd[n].detach().float().contiguous() for n in self.drafter.push_names()}
+
+    def state_dict(self) -> dict:
+        return {"drafter": {n: p.detach().clone() for n, p in self.drafter.named_parameters()},
+                "optimizer": self.optimizer.state_dict(), "steps_done": self.steps_done}
+
+    def load_state_dict(self, state: dict) -> None:
+        own = dict(self.drafter.named_parameters())
+        if set(own) != set(state["drafter"]):
+            raise RuntimeError(f"drafter checkpoint does not match the drafter: missing "
+                               f"{sorted(set(own) - set(state['drafter']))}, unexpected "
+                               f"{sorted(set(state['drafter']) - set(own))}")
+        with torch.no_grad():
+            for n, p in own.items():
+                p.copy_(state["drafter"][n])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps_done = int(state["steps_done"])

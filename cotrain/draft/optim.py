@@ -1,0 +1,49 @@
+"""The drafter's optimizer and learning-rate schedule (offline distillation and online co-training).
+
+AdamW over the drafter's trainable parameters with ``draft.optimizer`` (betas, eps, weight decay);
+the learning rate at optimizer step t (0-based) of T:
+
+    warm-up (t < W):   lr * (t + 1) / W
+    constant:          lr
+    cosine:            min_lr + (lr - min_lr) * (1 + cos(pi * min(1, (t - W) / max(1, T - W)))) / 2
+
+Gradient clipping (``clip_grad`` > 0) is by the global L2 norm of the drafter's gradients only: the
+drafter never shares an optimizer, a schedule or a clipping norm with the policy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def lr_at(step: int, total: int, opt) -> float:
+    """Learning rate of optimizer step ``step`` (0-based) of ``total`` under ``opt`` (an OptimizerConfig)."""
+    if opt.warmup_steps and step < opt.warmup_steps:
+        return opt.lr * (step + 1) / opt.warmup_steps
+    if opt.schedule == "cosine":
+        span = max(1, total - opt.warmup_steps)
+        t = min(1.0, (step - opt.warmup_steps) / span)
+        return opt.min_lr + 0.5 * (opt.lr - opt.min_lr) * (1 + math.cos(math.pi * t))
+    return opt.lr
+
+
+def make_optimizer(module: torch.nn.Module, opt) -> torch.optim.AdamW:
+    params = [p for p in module.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+
+
+def clip_(params: list[torch.Tensor], max_norm: float) -> float:
+    """Clip the gradients of ``params`` to global norm ``max_norm`` (0 = no clipping); returns the norm before."""
+    grads = [p for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    if max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
+    return float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in grads)))

@@ -1,0 +1,190 @@
+"""The co-trained drafter inside a Megatron trainer: taps through the TapChannel, the drafter on the last stage.
+
+On every rank of the trainer's world (built collectively at start-up):
+
+- a :class:`~cotrain.tapchannel.TapChannel` for this rank's pipeline, reading into the last stage,
+  and tap hooks on the tap layers this rank's stage runs (the writers); the hooks are switched on
+  only for the forward that feeds the drafter (the log-prob recomputation: see docs/cotrain.md);
+
+on the last pipeline stage (every TP rank holds a replica of the drafter: they see the same rows and
+the TP-gathered logits, so the replicas stay identical; the gradient is reduced over the stage's
+DP x CP ranks):
+
+- an :class:`~cotrain.draft.online.OnlineDraftTrainer` with the drafter (``draft.init`` or from
+  scratch), its optimizer and schedule.
+
+One step, called by :class:`~cotrain.rl.trainer.MegatronPolicyWorker`::
+
+    stage.begin(step, num_microbatches)       # shared tensors of the current policy -> the drafter
+    per microbatch i:  stage.before_forward(i, num_tokens)      (every stage, before its forward)
+                       stage.after_logits(i, rows, logits)      (last stage, after the policy's logits)
+    metrics = stage.end()                     # drafter optimizer step; tap statistics
+
+Shared tensors: the drafter borrows the policy's token embedding (all families) and LM head
+(DFlash / DSpark); vLLM serves the drafter with the served policy's, so before every drafter step
+they are copied from the current policy: the embedding from the first stage (gathered over TP,
+broadcast over the pipeline when PP > 1: V x H values per step), the LM head from the last stage.
+The policy's vocab-parallel logits are gathered over TP (b x S x V values per microbatch per TP
+rank) so that the drafter's loss sees the full distribution.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from cotrain.draft.online import OnlineDraftTrainer, RolloutRows
+from cotrain.tapchannel import PipelineLayout, TapChannel, attach_tap_hooks, tap_specs
+
+
+def resolve_tap_transport(name: str, device: str) -> str:
+    """``auto`` -> ``cuda_ipc`` on GPU (one node), ``shm`` on CPU."""
+    if name != "auto":
+        return name
+    return "cuda_ipc" if device == "cuda" else "shm"
+
+
+def build_drafter_for(cfg, target, path: Optional[str] = None):
+    """The drafter of ``cfg.draft`` for ``target``: loaded from ``path`` (a drafter export) or from scratch."""
+    from cotrain.draft.registry import build_drafter
+
+    drafter = build_drafter(cfg.draft.kind, cfg.draft.settings, target, seed=cfg.run.seed)
+    if path is not None:
+        from cotrain.draft.export import read_export
+
+        _, meta, state = read_export(path)
+        saved = (meta.get("tap_layers") or [])
+        if saved and list(saved) != drafter.tap_layers:
+            raise ValueError(f"draft.init: {path} taps layers {saved}, draft.{cfg.draft.kind}.tap_layers resolves to "
+                             f"{drafter.tap_layers}")
+        drafter.load_vllm_state_dict(state)
+    return drafter
+
+
+class DraftStage:
+    def __init__(self, cfg, model, dtype: torch.dtype, model_path: str, init_dir: Optional[str] = None,
+                 name: str = "draft"):
+        from megatron.core import parallel_state as ps
+
+        from cotrain.draft.taps import TargetSpec
+
+        self.cfg = cfg
+        d = cfg.draft
+        self.model = model
+        self.cp = ps.get_context_parallel_world_size()
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.pp = ps.get_pipeline_model_parallel_world_size()
+        self.is_last = ps.is_pipeline_last_stage()
+        self.is_first = ps.is_pipeline_first_stage()
+        self.tap_layers = sorted(d.settings.tap_layers)
+        hidden = model.module.config.hidden_size
+        layout = PipelineLayout.from_megatron(model)
+        specs = tap_specs(self.tap_layers, layout, width=hidden, dtype=dtype)
+        mbs, S = cfg.policy.micro_batch_size, cfg.policy.max_seq_len
+        max_tokens = mbs * (-(-(S + 2 * self.cp) // self.cp))
+        transport = resolve_tap_transport(d.tap_transport, cfg.cluster.device)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        self.transport = transport
+        self.channel = TapChannel(specs, layout, transport, max_tokens=max_tokens, name=name,
+                                  timeout_s=d.tap_timeout_s, device=device)
+        self.hooks = attach_tap_hooks(model, self.channel)
+        self.hooks.enabled = False
+        self.trainer: Optional[OnlineDraftTrainer] = None
+        if self.is_last:
+            target = TargetSpec.from_checkpoint(model_path)
+            drafter = build_drafter_for(cfg, target, init_dir)
+            served = cfg.rollout.speculative
+            k = served.num_speculative_tokens if served.method == drafter.vllm_method else None
+            self.trainer = OnlineDraftTrainer(
+                drafter, d, total_steps=cfg.grpo.num_steps, seed=cfg.run.seed, cp_size=self.cp,
+                cp_group=ps.get_context_parallel_group() if self.cp > 1 else None,
+                reduce_group=ps.get_data_parallel_group(with_context_parallel=True), k=k)
+        self._active = False
+
+    # ------------------------------------------------------------------ shared tensors
+    def _tp_gather_rows(self, w: torch.Tensor) -> torch.Tensor:
+        """[V/tp, H] vocab shards -> [V, H]."""
+        from megatron.core import parallel_state as ps
+
+        if self.tp == 1:
+            return w.detach().float().clone()
+        parts = [torch.empty_like(w) for _ in range(self.tp)]
+        dist.all_gather(parts, w.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+        return torch.cat(parts).float()
+
+    def shared_tensors(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(embedding, LM head) of the current policy on the last stage (None elsewhere). Collective
+        over the pipeline (and TP)."""
+        from megatron.core import parallel_state as ps
+
+        gpt = self.model.module
+        embed = lm_head = None
+        if self.is_first:
+            embed = self._tp_gather_rows(gpt.embedding.word_embeddings.weight)
+        if self.pp > 1:
+            shape = torch.tensor(list(embed.shape) if embed is not None else [0, 0], dtype=torch.int64)
+            group = ps.get_pipeline_model_parallel_group()
+            src = ps.get_pipeline_model_parallel_first_rank()
+            dist.broadcast(shape, src=src, group=group)
+            if embed is None:
+                embed = torch.empty(*shape.tolist(), dtype=torch.float32)
+            dist.broadcast(embed, src=src, group=group)
+        if self.is_last:
+            lm_head = self._tp_gather_rows(gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights
+                                           else gpt.output_layer.weight)
+        return (embed, lm_head) if self.is_last else (None, None)
+
+    # ------------------------------------------------------------------ one step
+    def begin(self, step: int, num_microbatches: int) -> None:
+        embed, lm_head = self.shared_tensors()
+        if self.trainer is not None:
+            self.trainer.begin_step(step, embed=embed, lm_head=lm_head)
+        self.channel.begin_step(num_microbatches)
+        self.hooks.enabled = True
+        self._active = True
+
+    def before_forward(self, microbatch: int, num_tokens: int) -> None:
+        if self._active:
+            self.hooks.set_microbatch(microbatch, num_tokens)
+
+    def after_logits(self, microbatch: int, rows: RolloutRows, logits: torch.Tensor) -> None:
+        """Last stage: ``logits`` [b, S/cp, V/tp] of the microbatch (tempered, detached)."""
+        if not self._active:
+            return
+        from megatron.core import tensor_parallel
+
+        if self.tp > 1:
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+        taps = self.channel.read(microbatch)
+        taps = torch.cat([taps[layer] for layer in self.tap_layers], dim=-1)
+        self.trainer.microbatch(rows, taps, logits.reshape(-1, logits.shape[-1]).float())
+
+    def end(self) -> Optional[dict]:
+        """Close the step; on the last stage: the drafter's optimizer step and the step's metrics."""
+        self.hooks.enabled = False
+        self._active = False
+        tap = self.channel.end_step()
+        if self.trainer is None:
+            return None
+        m = {f"draft/{k}": v for k, v in self.trainer.end_step().items()}
+        m.update({"tap/wait_s": tap["reader_wait_s"], "tap/copy_s": tap["reader_copy_s"],
+                  "tap/bytes": float(tap["bytes_read"]), "tap/moved_bytes": float(tap["moved_bytes"])})
+        return m
+
+    def abort(self) -> None:
+        """Leave a failed step: hooks off (the channel's next begin_step starts over)."""
+        self.hooks.enabled = False
+        self._active = False
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    def export_dir(self, path: str) -> None:
+        from cotrain.draft.export import export_drafter
+
+        export_drafter(self.trainer.drafter, Path(path))
+
+    def close(self) -> None:
+        self.hooks.remove()
+        self.channel.close()
