@@ -3,12 +3,20 @@ sources; stamps in a shared-memory control block.
 
 The reader allocates one CUDA tensor per tap (``[slots, max_tokens, width]``) and sends each writer the
 tensor's IPC handle (``torch.multiprocessing.reductions.reduce_tensor``: the same handle and ref-count
-machinery torch uses to pass CUDA tensors between processes). A writer rebuilds the tensor, which
-aliases the reader's memory, copies its rows into the slot on its current stream, **synchronises that
-stream** (the writer's CPU waits for the copy, i.e. for the GPU to catch up with the tapped layer; an
-asynchronous publisher thread waiting on a CUDA event would remove that stall), and only then stores the stamp in the shared control block - so the reader never sees a
-stamp before the rows are complete in device memory. The control words (stamps, back-pressure,
-liveness) are exactly those of the ``shm`` transport.
+machinery torch uses to pass CUDA tensors between processes). The control words (stamps,
+back-pressure, liveness) are exactly those of the ``shm`` transport; what CUDA adds is ordering on
+both sides of a slot:
+
+- Writer: a writer rebuilds the tensor, which aliases the reader's memory, copies its rows into the
+  slot on its current stream, **synchronises that stream** (the writer's CPU waits for the copy, i.e.
+  for the GPU to catch up with the tapped layer; an asynchronous publisher thread waiting on a CUDA
+  event would remove that stall), and only then stores the stamp, so the reader never sees a stamp
+  before the rows are complete in device memory.
+- Reader: the copy-out (``read``) is only queued on the reader's current stream, and a zero-copy view
+  is read by kernels queued later, so ``release`` records an event on the reader's current stream and
+  stores ``released`` only once that event has completed (:mod:`.release`): a writer waiting for the
+  slot cannot overwrite rows the reader's GPU has not read yet. Kernels on other streams that use a
+  zero-copy view must be ordered before the release by the caller.
 
 Requirements: all ranks on one node, and each writer sees the reader's GPU under the same device index
 as the reader (IPC handles name the device by the opener's numbering; with per-process
@@ -23,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from cotrain.tapchannel.interfaces import TransportContext
+from cotrain.tapchannel.transports.release import DeferredRelease
 from cotrain.tapchannel.transports.shm import ShmTransport
 
 
@@ -34,6 +43,7 @@ class CudaIpcTransport(ShmTransport):
         super().__init__()
         self._buffers: list[torch.Tensor] = []
         self._device: torch.device | None = None
+        self._releases: DeferredRelease | None = None
 
     def _attach_data(self, ctx: TransportContext, offsets: list[int]) -> list[torch.Tensor]:
         return self._buffers
@@ -58,8 +68,8 @@ class CudaIpcTransport(ShmTransport):
             self._buffers = [fn(*args) if t in mine else None for t, (fn, args) in enumerate(obj[0])]
         super().setup(ctx)
 
-    def write(self, t: int, seq: int, rows: torch.Tensor, deadline: float) -> float:
-        waited = self.mailbox.wait_free(t, seq, deadline)
+    # ----- writer ------------------------------------------------------------------------------------
+    def _put(self, t: int, seq: int, rows: torch.Tensor) -> None:
         dst = self.mailbox.data[t].device
         streams = {dst} | ({rows.device} if rows.is_cuda else set())
 
@@ -69,8 +79,30 @@ class CudaIpcTransport(ShmTransport):
 
         with torch.cuda.device(dst):
             self.mailbox.put(t, seq, rows, sync=sync)
-        return waited
+
+    # ----- reader ------------------------------------------------------------------------------------
+    def _record(self) -> torch.cuda.Event:
+        """An event after everything queued so far on the reader's current stream (of the slots' device)."""
+        event = torch.cuda.Event(blocking=True)  # the publisher thread sleeps in synchronize(), not spins
+        event.record(torch.cuda.current_stream(self._device))
+        return event
+
+    @property
+    def releases(self) -> DeferredRelease:
+        if self._releases is None:
+            self._releases = DeferredRelease(self.mailbox.release, self._record, name=f"tapchannel-{self.name}")
+        return self._releases
+
+    def wait(self, t: int, seq: int, deadline: float) -> float:
+        self.releases.check()
+        return super().wait(t, seq, deadline)
+
+    def release(self, t: int, seq: int) -> None:
+        self.releases.release(t, seq)  # `released` is stored once the GPU has read the slot
 
     def close(self) -> None:
+        if self._releases is not None:
+            self._releases.close()
+            self._releases = None
         super().close()
         self._buffers = []
