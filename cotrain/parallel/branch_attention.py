@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from cotrain.parallel.blockdiag import BlockDiagonal
 from cotrain.parallel.kernels import CAUSAL, FULL, MASKED, BlockKernel, BlockMask, Tile, default_kernel
 from cotrain.parallel.layout import BranchLayout
 from cotrain.parallel.lse import merge_lse_
@@ -81,7 +82,8 @@ class RingPlan:
     local_len: int
     local_branch_tokens: int
     ring_masks: list[BlockMask]  # indexed by the rank whose main K/V shard the block holds
-    intra_mask: Optional[BlockMask]
+    intra_mask: Optional[BlockMask]  # branch-local attention as one exact tile per branch
+    intra_blocks: Optional[BlockDiagonal] = None  # the same, batched per branch length (what runs)
 
 
 def _split(start: int, stop: int, max_tile: int):
@@ -199,22 +201,19 @@ def _build_plan(layout: BranchLayout, rank: int, device: torch.device, max_tile:
         tiles = _coalesce(tiles, max_tile)
         ring_masks.append(BlockMask(tiles, q_seg, q_lo, q_hi, k_seg, k_pos, w).to(device))
 
-    intra_mask = None
+    # Branch-local attention: each branch against its own block only (block-diagonal, exact).
+    intra_mask = intra_blocks = None
     if NBt:
+        causal = layout.intra == "causal"
+        intra_blocks = BlockDiagonal.from_lengths(lens, causal, device)
         local_id = torch.repeat_interleave(torch.arange(ids.numel()), lens)
         j = torch.arange(NBt) - torch.repeat_interleave(torch.tensor(offs[:-1], dtype=torch.int64), lens)
-        j_hi = j if layout.intra == "causal" else torch.repeat_interleave(lens - 1, lens)
-        tiles = []
-        start = 0
-        for i in range(1, ids.numel() + 1):
-            if i == ids.numel() or offs[i + 1] - offs[start] > max_tile:
-                single = i - start == 1
-                kind = (FULL if layout.intra == "full" else CAUSAL) if single else MASKED
-                tiles.append(Tile(offs[start], offs[i], offs[start], offs[i], kind))
-                start = i
+        j_hi = j if causal else torch.repeat_interleave(lens - 1, lens)
+        kind = CAUSAL if causal else FULL
+        tiles = [Tile(a, b, a, b, kind) for a, b in zip(offs[:-1], offs[1:])]
         intra_mask = BlockMask(tiles, local_id, torch.zeros_like(j), j_hi, local_id, j, None).to(device)
 
-    return RingPlan(C, rank, T, NBt, ring_masks, intra_mask)
+    return RingPlan(C, rank, T, NBt, ring_masks, intra_mask, intra_blocks)
 
 
 def ring_plan(layout: BranchLayout, rank: int, device: torch.device | str = "cpu", max_tile: int = DEFAULT_MAX_TILE) -> RingPlan:
@@ -228,6 +227,21 @@ def ring_plan(layout: BranchLayout, rank: int, device: torch.device | str = "cpu
 
 
 # ----- autograd ----------------------------------------------------------------------------------
+
+def _intra_forward(kernel: BlockKernel, bq, bk, bv, plan: RingPlan, scale: float):
+    """Branch-local attention: the kernel's block-diagonal path, or one tile per branch."""
+    fwd = getattr(kernel, "forward_blocks", None)
+    if fwd is not None:
+        return fwd(bq, bk, bv, plan.intra_blocks, scale)
+    return kernel.forward(bq, bk, bv, plan.intra_mask, scale)
+
+
+def _intra_backward(kernel: BlockKernel, dout, bq, bk, bv, out, lse, plan: RingPlan, scale: float, dlse):
+    bwd = getattr(kernel, "backward_blocks", None)
+    if bwd is not None:
+        return bwd(dout, bq, bk, bv, out, lse, plan.intra_blocks, scale, dlse)
+    return kernel.backward(dout, bq, bk, bv, out, lse, plan.intra_mask, scale, dlse)
+
 
 class _CPBranchAttention(torch.autograd.Function):
     @staticmethod
@@ -247,7 +261,7 @@ class _CPBranchAttention(torch.autograd.Function):
             merge_lse_(out, lse, block_out, block_lse)
             if step == 0 and plan.intra_mask is not None:
                 # Branch-local attention: the branch K/V never leave this rank.
-                block_out, block_lse = kernel.forward(bq, bk, bv, plan.intra_mask, scale)
+                block_out, block_lse = _intra_forward(kernel, bq, bk, bv, plan, scale)
                 merge_lse_(out[T:], lse[T:], block_out, block_lse)
             if step + 1 < C:
                 comm.wait()
@@ -289,8 +303,8 @@ class _CPBranchAttention(torch.autograd.Function):
             dq_b, dk_b, dv_b = kernel.backward(dout_all, q_all, kv[0], kv[1], out, lse, plan.ring_masks[src], scale, dlse_all)
             dq_all += dq_b
             if step == 0 and plan.intra_mask is not None:
-                dbq_b, dbk, dbv = kernel.backward(
-                    dout_all[T:], bq, bk, bv, out[T:], lse[T:], plan.intra_mask, scale, dlse_all[T:]
+                dbq_b, dbk, dbv = _intra_backward(
+                    kernel, dout_all[T:], bq, bk, bv, out[T:], lse[T:], plan, scale, dlse_all[T:]
                 )
                 dq_all[T:] += dbq_b
             block = torch.stack([dk_b, dv_b])

@@ -11,7 +11,7 @@ pairs outside every tile are masked. A tile is "full" (every pair visible), "cau
 tile: the same positions on both sides, q_hi = position, q_lo = position - window + 1) or
 "masked" (the rule decides pair by pair). Rows that see nothing get out = 0 and lse = -inf.
 
-Forward, per tile (fp32):  S = scale q k^T (masked to -inf), lse = logsumexp_j S, out = exp(S - lse) v,
+Forward, per tile (fp32; fp64 for fp64 inputs):  S = scale q k^T (masked to -inf), lse = logsumexp_j S, out = exp(S - lse) v,
 and tiles that share query rows are merged by cotrain.parallel.lse. Backward, given the final
 (out, lse) of each row and the incoming dout, dlse:
     P = exp(S - lse),  delta = rowsum(dout * out) - dlse,  dS = P * (dout v^T - delta),
@@ -22,8 +22,12 @@ attention: query head h uses K/V head h // (H / Hk); dk, dv sum over the heads o
 Kernels: TorchBlockKernel (plain torch, any device, the reference); CpuFusedBlockKernel (the
 default on CPU: torch's fused CPU flash-attention op for full and causal tiles); FlashVarlenBlockKernel
 (the default on CUDA when flash-attn imports: its varlen kernel for full and causal tiles, fp16/bf16).
-The fused ones hand "masked" tiles, and backward passes with a non-zero LSE gradient, to the torch
-kernel.
+The fused ones hand "masked" tiles, backward passes with a non-zero LSE gradient, and dtypes they do
+not take (fp64) to the torch kernel.
+
+Branch-local attention is block-diagonal (cotrain.parallel.blockdiag): the kernels here expose it as
+forward_blocks / backward_blocks (plain torch, batched per branch length, any device and dtype). A
+kernel with only forward / backward (the BlockKernel protocol) gets one exact tile per branch instead.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from typing import Optional, Protocol
 
 import torch
 
+from cotrain.parallel import blockdiag
+from cotrain.parallel.blockdiag import BlockDiagonal, compute_dtype
 from cotrain.parallel.lse import merge_lse_
 
 FULL, CAUSAL, MASKED = "full", "causal", "masked"
@@ -77,8 +83,11 @@ class BlockMask:
         )
 
     def pairs_computed(self) -> int:
-        """Query-key pairs inside the tiles: the work a dense-tile kernel does."""
-        return sum(t.pairs for t in self.tiles)
+        """Query-key pairs the tiles hand to the kernel: every pair of a full or masked tile, the lower
+        triangle n(n+1)/2 of a causal tile (what a causal kernel computes; the fused CPU op and
+        flash-attn skip the upper triangle at their block granularity, the reference
+        TorchBlockKernel computes and masks it)."""
+        return sum(t.pairs if t.kind != CAUSAL else (t.q1 - t.q0) * (t.q1 - t.q0 + 1) // 2 for t in self.tiles)
 
     def pairs_allowed(self) -> int:
         """Query-key pairs the rule makes visible."""
@@ -104,10 +113,10 @@ class BlockKernel(Protocol):
         """Gradients (fp32) w.r.t. q, k, v of this block, given each row's final out and lse."""
 
 
-def _heads(q: torch.Tensor, hk: int) -> torch.Tensor:
-    """(n, H, D) -> (Hk, g, n, D) fp32."""
+def _heads(q: torch.Tensor, hk: int, ctype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(n, H, D) -> (Hk, g, n, D) in ctype."""
     n, h, d = q.shape
-    return q.float().reshape(n, hk, h // hk, d).permute(1, 2, 0, 3)
+    return q.to(ctype).reshape(n, hk, h // hk, d).permute(1, 2, 0, 3)
 
 
 def _unheads(x: torch.Tensor) -> torch.Tensor:
@@ -122,12 +131,12 @@ def _finite_or_zero(lse: torch.Tensor) -> torch.Tensor:
 
 
 class TorchBlockKernel:
-    """Dense fp32 attention per tile in plain torch (CPU or GPU)."""
+    """Dense attention per tile in plain torch (CPU or GPU), in fp32 (fp64 for fp64 inputs)."""
 
     def _scores(self, q, k, mask: BlockMask, tile: Tile, scale: float):
-        hk = k.shape[1]
-        qt = _heads(q[tile.q0 : tile.q1], hk)  # (Hk, g, n, D)
-        kt = k[tile.k0 : tile.k1].float().permute(1, 0, 2).unsqueeze(1)  # (Hk, 1, m, D)
+        hk, ctype = k.shape[1], compute_dtype(q.dtype)
+        qt = _heads(q[tile.q0 : tile.q1], hk, ctype)  # (Hk, g, n, D)
+        kt = k[tile.k0 : tile.k1].to(ctype).permute(1, 0, 2).unsqueeze(1)  # (Hk, 1, m, D)
         s = torch.matmul(qt, kt.transpose(-1, -2)).mul_(scale)  # (Hk, g, n, m)
         if tile.kind != FULL:
             s.masked_fill_(~mask.allowed(tile), float("-inf"))
@@ -135,9 +144,9 @@ class TorchBlockKernel:
 
     def forward(self, q, k, v, mask: BlockMask, scale: float):
         nq, h, d = q.shape
-        hk = k.shape[1]
-        out = torch.zeros(nq, h, d, dtype=torch.float32, device=q.device)
-        lse = torch.full((nq, h), float("-inf"), dtype=torch.float32, device=q.device)
+        ctype = compute_dtype(q.dtype)
+        out = torch.zeros(nq, h, d, dtype=ctype, device=q.device)
+        lse = torch.full((nq, h), float("-inf"), dtype=ctype, device=q.device)
         for tile in mask.tiles:
             _, _, s = self._scores(q, k, mask, tile, scale)
             # One exp per score: e = exp(S - rowmax), lse = rowmax + log(sum e), out = (e v) / sum e.
@@ -145,32 +154,39 @@ class TorchBlockKernel:
             e = s.sub_(row_max).exp_()
             denom = e.sum(dim=-1, keepdim=True)  # 0 for rows that see nothing in this tile
             tile_lse = (row_max + torch.log(denom)).squeeze(-1)  # (Hk, g, n), -inf for those rows
-            vt = v[tile.k0 : tile.k1].float().permute(1, 0, 2).unsqueeze(1)  # (Hk, 1, m, D)
+            vt = v[tile.k0 : tile.k1].to(ctype).permute(1, 0, 2).unsqueeze(1)  # (Hk, 1, m, D)
             tile_out = torch.matmul(e, vt).div_(torch.where(denom > 0, denom, torch.ones_like(denom)))
             rows = slice(tile.q0, tile.q1)
             merge_lse_(out[rows], lse[rows], _unheads(tile_out), _unheads(tile_lse))
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, mask: BlockMask, scale: float, dlse=None):
-        hk = k.shape[1]
-        delta = (dout.float() * out.float()).sum(-1)  # (Nq, H)
+        hk, ctype = k.shape[1], compute_dtype(q.dtype)
+        delta = (dout.to(ctype) * out.to(ctype)).sum(-1)  # (Nq, H)
         if dlse is not None:
-            delta = delta - dlse.float()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+            delta = delta - dlse.to(ctype)
+        dq = torch.zeros(q.shape, dtype=ctype, device=q.device)
+        dk = torch.zeros(k.shape, dtype=ctype, device=k.device)
+        dv = torch.zeros(v.shape, dtype=ctype, device=v.device)
         for tile in mask.tiles:
             rows, cols = slice(tile.q0, tile.q1), slice(tile.k0, tile.k1)
             qt, kt, s = self._scores(q, k, mask, tile, scale)
-            p = s.sub_(_finite_or_zero(_heads(lse[rows].unsqueeze(-1), hk))).exp_()  # (Hk, g, n, m)
-            do = _heads(dout[rows], hk)  # (Hk, g, n, D)
-            vt = v[cols].float().permute(1, 0, 2).unsqueeze(1)  # (Hk, 1, m, D)
+            p = s.sub_(_finite_or_zero(_heads(lse[rows].unsqueeze(-1), hk, ctype))).exp_()  # (Hk, g, n, m)
+            do = _heads(dout[rows], hk, ctype)  # (Hk, g, n, D)
+            vt = v[cols].to(ctype).permute(1, 0, 2).unsqueeze(1)  # (Hk, 1, m, D)
             dp = torch.matmul(do, vt.transpose(-1, -2))  # (Hk, g, n, m)
-            ds = dp.sub_(_heads(delta[rows].unsqueeze(-1), hk)).mul_(p)
+            ds = dp.sub_(_heads(delta[rows].unsqueeze(-1), hk, ctype)).mul_(p)
             dq[rows] += _unheads(torch.matmul(ds, kt)) * scale
             dk[cols] += (torch.matmul(ds.transpose(-1, -2), qt).sum(1) * scale).permute(1, 0, 2)
             dv[cols] += torch.matmul(p.transpose(-1, -2), do).sum(1).permute(1, 0, 2)
         return dq, dk, dv
+
+    def forward_blocks(self, q, k, v, blocks: BlockDiagonal, scale: float):
+        """Block-diagonal (branch-local) attention: out, lse of the blocks alone."""
+        return blockdiag.forward(q, k, v, blocks, scale)
+
+    def backward_blocks(self, dout, q, k, v, out, lse, blocks: BlockDiagonal, scale: float, dlse=None):
+        return blockdiag.backward(dout, q, k, v, out, lse, blocks, scale, dlse)
 
 
 class _FusedTileKernel:
@@ -213,6 +229,12 @@ class _FusedTileKernel:
         if fused:
             self._fused_backward(dout, q, k, v, out, lse, mask, fused, scale, dq, dk, dv)
         return dq, dk, dv
+
+    def forward_blocks(self, q, k, v, blocks: BlockDiagonal, scale: float):
+        return self._torch.forward_blocks(q, k, v, blocks, scale)
+
+    def backward_blocks(self, dout, q, k, v, out, lse, blocks: BlockDiagonal, scale: float, dlse=None):
+        return self._torch.backward_blocks(dout, q, k, v, out, lse, blocks, scale, dlse)
 
 
 def _window_bias(n: int, window: int, dtype: torch.dtype, device) -> torch.Tensor:

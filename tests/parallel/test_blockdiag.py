@@ -1,0 +1,129 @@
+"""Branch-local attention is block-diagonal: no pair outside a branch's own block is computed.
+
+The pair counts are checked against the dense oracle's mask (an independent construction of the
+attention rule), and the block-diagonal kernel against per-branch attention written out in fp64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cotrain.parallel import (
+    BranchLayout,
+    TorchBlockKernel,
+    branch_attention_mask,
+    cp_branch_attention,
+    cu_seqlens_from_lengths,
+    dflash_layout,
+    eagle3_ttt_layout,
+    ring_plan,
+    sample_anchors,
+)
+from cotrain.parallel import blockdiag
+
+
+def _layouts(cp_size: int) -> dict[str, BranchLayout]:
+    g = torch.Generator().manual_seed(0)
+    cu = cu_seqlens_from_lengths([37, 5, 64, 12])
+    anchors = sample_anchors(cu, 5, g)
+    order = torch.randperm(anchors.numel(), generator=g)
+    return {
+        "dflash": dflash_layout(cu, anchors, 6, cp_size=cp_size),
+        "eagle3": eagle3_ttt_layout(cu, 4, cp_size=cp_size),
+        "uneven_random_order_full": BranchLayout(cu, anchors[order], torch.randint(1, 9, (anchors.numel(),), generator=g),
+                                                 context="inclusive", intra="full", cp_size=cp_size),
+        "uneven_causal": BranchLayout(cu, anchors, torch.randint(1, 9, (anchors.numel(),), generator=g),
+                                      context="inclusive", intra="causal", window=7, cp_size=cp_size),
+    }
+
+
+def test_issue_example_computes_only_the_allowed_pairs():
+    # 16 DFlash blocks of 16 in one sequence: one merged tile used to compute 65,536 pairs for 4,096.
+    layout = dflash_layout(cu_seqlens_from_lengths([512]), range(16, 512, 32), 16)
+    plan = ring_plan(layout, 0)
+    assert plan.intra_blocks.pairs_computed() == plan.intra_mask.pairs_computed() == 16 * 16 * 16
+    assert plan.intra_mask.pairs_allowed() == 16 * 16 * 16
+    assert len(plan.intra_blocks.groups) == 1  # one batched call for all 16 blocks
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+@pytest.mark.parametrize("name", ["dflash", "eagle3", "uneven_random_order_full", "uneven_causal"])
+def test_intra_pairs_computed_equal_pairs_allowed_by_the_oracle(cp_size, name):
+    layout = _layouts(cp_size)[name]
+    T = layout.total_len
+    intra = branch_attention_mask(layout.with_cp(1))[T:, T:]  # branch -> branch part of the oracle's mask
+    for rank in range(cp_size):
+        plan = ring_plan(layout, rank)
+        rows = layout.local_branch_token_index(rank)
+        allowed = int(intra[rows][:, rows].sum())
+        if not rows.numel():
+            assert plan.intra_blocks is None
+            continue
+        assert plan.intra_blocks.pairs_computed() == allowed
+        assert plan.intra_mask.pairs_computed() == plan.intra_mask.pairs_allowed() == allowed
+        for t in plan.intra_mask.tiles:  # no tile reaches into another branch
+            assert t.k1 - t.k0 == t.q1 - t.q0 and (t.k0, t.k1) == (t.q0, t.q1)
+
+
+def _per_branch_reference(q, k, v, lens, causal, scale):
+    """Each branch on its own, the softmax written out (fp64, autograd)."""
+    outs, lses = [], []
+    g = q.shape[1] // k.shape[1]
+    start = 0
+    for w in lens.tolist():
+        qs, ks, vs = q[start : start + w], k[start : start + w], v[start : start + w]
+        s = torch.einsum("qhd,khd->hqk", qs, ks.repeat_interleave(g, 1)) * scale
+        if causal:
+            s = s.masked_fill(torch.ones(w, w, dtype=torch.bool).triu(1), float("-inf"))
+        lses.append(torch.logsumexp(s, -1).transpose(0, 1))
+        outs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), vs.repeat_interleave(g, 1)))
+        start += w
+    return torch.cat(outs), torch.cat(lses)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_blockdiag_kernel_matches_per_branch_attention_fp64(causal):
+    g = torch.Generator().manual_seed(3)
+    lens = torch.tensor([3, 1, 5, 3, 2, 5, 3])
+    n = int(lens.sum())
+    q = torch.randn(n, 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(n, 2, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    blocks = blockdiag.BlockDiagonal.from_lengths(lens, causal)
+    out, lse = blockdiag.forward(q, k, v, blocks, 0.4)
+    ref_out, ref_lse = _per_branch_reference(q, k, v, lens, causal, 0.4)
+    assert out.dtype == torch.float64
+    assert torch.allclose(out, ref_out, atol=1e-13) and torch.allclose(lse, ref_lse, atol=1e-13)
+    dout, dlse = torch.randn(n, 4, 8, generator=g, dtype=torch.float64), torch.randn(n, 4, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((ref_out * dout).sum() + (ref_lse * dlse).sum(), (q, k, v))
+    got = blockdiag.backward(dout, q.detach(), k.detach(), v.detach(), out, lse, blocks, 0.4, dlse)
+    for a, b in zip(got, grads):
+        assert torch.allclose(a, b, atol=1e-12), float((a - b).abs().max())
+
+
+class _TileOnlyKernel:
+    """A kernel written against the BlockKernel protocol alone (no forward_blocks)."""
+
+    def __init__(self):
+        self._k = TorchBlockKernel()
+
+    def forward(self, *args):
+        return self._k.forward(*args)
+
+    def backward(self, *args):
+        return self._k.backward(*args)
+
+
+def test_tile_only_kernels_get_one_tile_per_branch():
+    layout = _layouts(1)["uneven_random_order_full"]
+    g = torch.Generator().manual_seed(1)
+    T, NB = layout.total_len, layout.total_branch_tokens
+    base = [torch.randn(n, h, 8, generator=g) for n, h in [(T, 4), (T, 2), (T, 2), (NB, 4), (NB, 2), (NB, 2)]]
+    results = []
+    for kernel in (TorchBlockKernel(), _TileOnlyKernel()):
+        ts = [t.clone().requires_grad_() for t in base]
+        out = cp_branch_attention(*ts, layout, kernel=kernel)
+        sum(o.sum() for o in out[::2]).backward()
+        results.append([o.detach() for o in out] + [t.grad for t in ts])
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, atol=1e-6)
