@@ -632,6 +632,17 @@ class GrpoConfig(StrictModel):
     policy.micro_batch_size."""
     epochs: PosInt = 1
     """Passes over each step's rollouts."""
+    log_ratio_clamp: PosFloat | None = 20.0
+    """Clamp the log importance ratio log(pi/pi_old), and k3's log(ref/pi), to +-this before exp()
+    (verl clamps both at 20; NeMo-RL's KL input clamp is 20). It only keeps exp() finite: on-policy
+    the ratio is ~1. null = no clamp."""
+    clip_ratio_c: Annotated[float, Field(gt=1)] | None = 3.0
+    """Dual-clip PPO (verl's clip_ratio_c, default 3): for a token with a negative advantage the
+    surrogate is floored at clip_ratio_c * advantage, so a ratio that has run far above 1 cannot
+    make one token's loss (and gradient) unbounded. > 1; null = no dual clip."""
+    kl_clamp: PosFloat | None = 10.0
+    """Cap of each token's k3 KL penalty (verl and NeMo-RL cap at 10); the kl/ref metric stays
+    unclamped. null = no cap."""
 
 
 # -------------------------------------------------------------------------------------------- data

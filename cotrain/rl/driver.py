@@ -58,9 +58,10 @@ def score(cfg, samples, problems: list[Problem]) -> torch.Tensor:
 
 
 def train_inference_kl(batch: TrainBatch) -> dict[str, float]:
-    """How far the engines' sampling log-probs are from the trainer's on the same weights."""
+    """How far the engines' sampling log-probs are from the trainer's on the same weights: the k3
+    estimate of KL(engine || trainer) per response token, in float64 (>= 0; see grpo.k3_kl)."""
     m = batch.mask.bool()
-    rollout, train = batch.rollout_logprobs[m], batch.old_logprobs[m]
+    rollout, train = batch.rollout_logprobs[m].double(), batch.old_logprobs[m].double()
     return {"kl/train_infer": k3_kl(rollout, train).mean().item(),
             "kl/train_infer_max_abs_diff": (rollout - train).abs().max().item()}
 

@@ -4,14 +4,31 @@ For a prompt with G sampled responses and rewards r_1..r_G, the advantage of res
 
     A_i = (r_i - b_i) / (std(r) + eps)   if normalize_std else   r_i - b_i
 
-with baseline b_i = mean(r) ("mean") or the mean of the *other* G-1 rewards ("leave_one_out").
-Every response token t of response i gets A_i. With the ratio rho_t = exp(logp_t - logp_old_t), the
-token loss is the clipped surrogate plus an optional KL penalty to a reference policy,
+with baseline b_i = mean(r) ("mean") or the mean of the *other* G-1 rewards ("leave_one_out"), and
+std(r) the (unbiased) standard deviation of all G rewards of the group, for either baseline. (NeMo-RL
+divides a leave-one-out advantage by the std of the other G-1 rewards instead, skipping the division
+when that is 0. We keep one scale per group: r_i - mean_{-i}(r) = G/(G-1) (r_i - mean(r)), so with
+the group's std the leave-one-out advantages are exactly G/(G-1) times the mean-baseline ones, still
+sum to 0 over the group and keep their order; a per-sample std would give the lone correct answer
+among wrong ones (its others all equal: std 0, not divided) a smaller advantage than the wrong
+answers' penalties, and the group's advantages would no longer sum to 0.)
 
-    l_t = -min(rho_t A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) A_i) + beta * k3_t,
-    k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1          (non-negative, unbiased for KL)
+Every response token t of response i gets A_i. With the ratio rho_t = exp(clamp(logp_t - logp_old_t,
+-log_ratio_clamp, log_ratio_clamp)), the token loss is the clipped surrogate plus an optional KL
+penalty to a reference policy,
 
-and the batch loss aggregates l_t over response tokens either as one mean over all tokens
+    l_t = -max(c A_i, min(rho_t A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) A_i))  if A_i < 0 (dual clip)
+    l_t = -min(rho_t A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) A_i)              otherwise
+          + beta * min(k3_t, kl_clamp),
+    k3_t = exp(d_t) - d_t - 1,  d_t = ref_t - logp_t       (non-negative, unbiased for KL)
+
+The dual clip (c = ``clip_ratio_c`` > 1, Ye et al. 2020, verl's ``clip_ratio_c``) bounds the loss of
+a negative-advantage token whose ratio has run far above 1; ``log_ratio_clamp`` (verl clamps at 20)
+keeps exp() finite; the k3 clamp (verl and NeMo-RL clamp at 10) bounds one token's KL penalty.
+k3 is computed as expm1(d) - d in float64, so it is >= 0 to the last bit (exp(d) - d - 1 in float32
+rounds to about -1e-8 for |d| ~ 1e-4, which made a train-inference KL of ~0 print negative).
+
+The batch loss aggregates l_t over response tokens either as one mean over all tokens
 ("token_mean") or as the mean over sequences of each sequence's token mean ("seq_mean").
 """
 
@@ -42,26 +59,65 @@ def group_advantages(rewards: torch.Tensor, baseline: str = "mean", normalize_st
     return adv.float()
 
 
-def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token estimator of KL(pi || ref) from samples of pi (Schulman's k3)."""
-    d = ref_logp - logp
-    return torch.exp(d) - d - 1
+#: defaults of the guards, the same as grpo.log_ratio_clamp / grpo.clip_ratio_c / grpo.kl_clamp
+LOG_RATIO_CLAMP = 20.0
+CLIP_RATIO_C = 3.0
+KL_CLAMP = 10.0
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor, log_ratio_clamp: float | None = None,
+          clamp: float | None = None) -> torch.Tensor:
+    """Per-token estimator of KL(pi || ref) from samples of pi (Schulman's k3), >= 0 exactly.
+
+    Computed as ``expm1(d) - d`` in float64 (d = ref_logp - logp, clamped to +-``log_ratio_clamp``
+    when given) and returned in the inputs' dtype; ``clamp`` caps each token's value (None = no cap).
+    """
+    out_dtype = torch.promote_types(logp.dtype, ref_logp.dtype)
+    d = ref_logp.double() - logp.double()
+    if log_ratio_clamp is not None:
+        d = d.clamp(-log_ratio_clamp, log_ratio_clamp)
+    k3 = (torch.expm1(d) - d).clamp(min=0.0)  # expm1(d) >= d in exact arithmetic: the clamp only guards rounding
+    if clamp is not None:
+        k3 = k3.clamp(max=clamp)
+    return k3.to(out_dtype)
 
 
 def grpo_token_losses(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                       clip_low: float, clip_high: float, ref_logp: torch.Tensor | None = None,
-                      kl_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token loss l_t (same shape as ``logp``) and per-token diagnostics."""
-    ratio = torch.exp(logp - old_logp)
+                      kl_coef: float = 0.0, log_ratio_clamp: float | None = LOG_RATIO_CLAMP,
+                      clip_ratio_c: float | None = CLIP_RATIO_C,
+                      kl_clamp: float | None = KL_CLAMP) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token loss l_t (same shape as ``logp``) and per-token diagnostics.
+
+    ``log_ratio_clamp``, ``clip_ratio_c`` and ``kl_clamp`` are grpo.log_ratio_clamp,
+    grpo.clip_ratio_c and grpo.kl_clamp (None = that guard off). Diagnostics: ``ratio``,
+    ``clipped`` (the clipped term was taken), ``dual_clipped`` (the dual clip's floor was taken)
+    and, with ``ref_logp``, ``kl_ref`` (the unclamped k3, the KL measurement; the penalty uses the
+    clamped one).
+    """
+    if clip_ratio_c is not None and clip_ratio_c <= 1:
+        raise ValueError(f"grpo.clip_ratio_c: {clip_ratio_c} (allowed: > 1, or null = no dual clip)")
+    log_ratio = logp - old_logp
+    if log_ratio_clamp is not None:
+        log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
-    loss = -torch.minimum(unclipped, clipped)
+    objective = torch.minimum(unclipped, clipped)
     info = {"ratio": ratio.detach(), "clipped": (clipped < unclipped).float().detach()}
+    if clip_ratio_c is not None:
+        floor = clip_ratio_c * advantages
+        dual = (advantages < 0) & (objective < floor)
+        objective = torch.where(dual, floor, objective)
+        info["dual_clipped"] = dual.float().detach()
+    else:
+        info["dual_clipped"] = torch.zeros_like(ratio).detach()
+    loss = -objective
     if ref_logp is not None:
-        kl = k3_kl(logp, ref_logp)
+        kl = k3_kl(logp, ref_logp, log_ratio_clamp=log_ratio_clamp)
         info["kl_ref"] = kl.detach()
         if kl_coef:
-            loss = loss + kl_coef * kl
+            loss = loss + kl_coef * (kl.clamp(max=kl_clamp) if kl_clamp is not None else kl)
     return loss, info
 
 
