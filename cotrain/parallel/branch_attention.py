@@ -5,21 +5,25 @@ branches whose anchors it holds. With Q_r = [main queries of r; branch queries o
 
     forward:  for step t = 0 .. C-1:  (K, V) = main shard of rank (r - t) mod C, arriving over the ring
                  (out_r, lse_r) <- LSE-merge((out_r, lse_r), block(Q_r, K, V, mask for that shard))
-              plus once, locally: branch queries x own branch K/V (intra rule), merged the same way.
+              plus once, locally: branch queries x own branch K/V (intra rule, block-diagonal:
+              each branch against its own block only, cotrain.parallel.blockdiag), merged the same way.
 
 Only main K/V travel (each step sends one shard, C-1 steps), so the bytes a rank sends do not
-depend on the number or depth of the branches:
+depend on the number or depth of the branches (a = accumulation dtype, see below; g = grad_comm_dtype,
+a by default):
     forward   (C-1) * 2 * local_len * Hk * D * sizeof(dtype)
     backward  (C-1) * 2 * local_len * Hk * D * sizeof(dtype)     K/V around the ring again
-            + (C-1) * 2 * local_len * Hk * D * 4                  fp32 dK/dV travelling back
+            + (C-1) * 2 * local_len * Hk * D * sizeof(g)          dK/dV travelling back
 (0 for C = 1). In the backward, dQ stays where its query lives; the dK/dV of each main shard ride
-the ring behind it (as in ring-flash-attention): the first visitor starts the fp32 sum, every later
-visitor adds its part and the last one sends it home, where the owner adds its own part (C-1 hops,
-not C: the owner's share never travels). Branch dK/dV are local.
+the ring behind it (as in ring-flash-attention): the first visitor starts the sum, every later
+visitor adds its part (in a) and the last one sends it home, where the owner adds its own part
+(C-1 hops, not C: the owner's share never travels). Sent in g = bf16, a partial sum is rounded once
+per hop. Branch dK/dV are local.
 
-Partial results are merged in fp32; out is returned in the inputs' dtype, lse in fp32. The LSE
-outputs are differentiable. Padding rows (see the zigzag padding rule) get out = 0, lse = -inf and
-no gradient.
+Accumulation dtype a: fp32 for fp32/bf16/fp16 inputs, fp64 for fp64 inputs (fp64 is computed in
+fp64 end to end; other dtypes are refused). Partial results are merged in a; out is returned in
+the inputs' dtype, lse in a. The LSE outputs are differentiable. Padding rows (see the zigzag
+padding rule) get out = 0, lse = -inf and no gradient.
 """
 
 from __future__ import annotations
@@ -30,13 +34,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from cotrain.parallel.blockdiag import BlockDiagonal
+from cotrain.parallel.blockdiag import BlockDiagonal, compute_dtype
 from cotrain.parallel.kernels import CAUSAL, FULL, MASKED, BlockKernel, BlockMask, Tile, default_kernel
 from cotrain.parallel.layout import BranchLayout
 from cotrain.parallel.lse import merge_lse_
 from cotrain.parallel.ring import RingComm, group_rank_and_size
 
 DEFAULT_MAX_TILE = 256  # tile rows/cols: small enough to skip most masked work, big enough for matmul
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @dataclass
@@ -245,11 +250,13 @@ def _intra_backward(kernel: BlockKernel, dout, bq, bk, bv, out, lse, plan: RingP
 
 class _CPBranchAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bq, bk, bv, plan: RingPlan, group, kernel: BlockKernel, scale: float, stats):
+    def forward(ctx, q, k, v, bq, bk, bv, plan: RingPlan, group, kernel: BlockKernel, scale: float, stats,
+                grad_comm_dtype):
         C, rank, T = plan.cp_size, plan.rank, plan.local_len
+        ctype = compute_dtype(q.dtype)
         q_all = torch.cat([q, bq]) if bq.shape[0] else q
-        out = torch.zeros(q_all.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q_all.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        out = torch.zeros(q_all.shape, dtype=ctype, device=q.device)
+        lse = torch.full(q_all.shape[:2], float("-inf"), dtype=ctype, device=q.device)
         kv = torch.stack([k, v])
         comm = RingComm(group, tag=0) if C > 1 else None
         for step in range(C):
@@ -275,6 +282,7 @@ class _CPBranchAttention(torch.autograd.Function):
             stats.pairs_allowed += sum(m.pairs_allowed() for m in masks)
         ctx.save_for_backward(q, k, v, bq, bk, bv, out, lse)
         ctx.plan, ctx.group, ctx.kernel, ctx.scale, ctx.stats = plan, group, kernel, scale, stats
+        ctx.grad_comm_dtype = grad_comm_dtype or ctype
         return (
             out[:T].to(q.dtype, copy=True), lse[:T].clone(), out[T:].to(q.dtype, copy=True), lse[T:].clone()
         )
@@ -284,12 +292,13 @@ class _CPBranchAttention(torch.autograd.Function):
         q, k, v, bq, bk, bv, out, lse = ctx.saved_tensors
         plan, group, kernel, scale = ctx.plan, ctx.group, ctx.kernel, ctx.scale
         C, rank, T = plan.cp_size, plan.rank, plan.local_len
+        ctype, comm_dtype = compute_dtype(q.dtype), ctx.grad_comm_dtype
         q_all = torch.cat([q, bq]) if bq.shape[0] else q
-        dout_all = torch.cat([dout, dbout]).float()
-        dlse_all = torch.cat([dlse, dblse]).float()
-        dq_all = torch.zeros(q_all.shape, dtype=torch.float32, device=q.device)
-        dbk = torch.zeros(bk.shape, dtype=torch.float32, device=bk.device)
-        dbv = torch.zeros(bv.shape, dtype=torch.float32, device=bv.device)
+        dout_all = torch.cat([dout, dbout]).to(ctype)
+        dlse_all = torch.cat([dlse, dblse]).to(ctype)
+        dq_all = torch.zeros(q_all.shape, dtype=ctype, device=q.device)
+        dbk = torch.zeros(bk.shape, dtype=ctype, device=bk.device)
+        dbv = torch.zeros(bv.shape, dtype=ctype, device=bv.device)
 
         kv = torch.stack([k, v])
         kv_comm = RingComm(group, tag=1) if C > 1 else None
@@ -315,21 +324,22 @@ class _CPBranchAttention(torch.autograd.Function):
                 if step > 1:
                     dkv_comm.wait()
                     block = travelling + block
-                travelling = dkv_comm.send_recv(block)  # to the next visitor, or home after the last step
+                # to the next visitor, or home after the last step (in grad_comm_dtype)
+                travelling = dkv_comm.send_recv(block.to(comm_dtype))
                 dkv_comm.commit()
             if step + 1 < C:
                 kv_comm.wait()
                 kv = next_kv
         if C > 1:
             dkv_comm.wait()  # our own shard's dK/dV from ranks r+1 .. r+C-1
-            own_dkv = own_dkv + travelling
+            own_dkv = own_dkv + travelling.to(ctype)
         dkv = own_dkv
         if ctx.stats is not None and C > 1:
             ctx.stats.bytes_sent_backward += kv_comm.bytes_sent + dkv_comm.bytes_sent
         return (
             dq_all[:T].to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
             dq_all[T:].to(bq.dtype), dbk.to(bk.dtype), dbv.to(bv.dtype),
-            None, None, None, None, None,
+            None, None, None, None, None, None,
         )
 
 
@@ -352,6 +362,7 @@ def cp_branch_attention(
     kernel: Optional[BlockKernel] = None,
     stats: Optional[CPStats] = None,
     max_tile: int = DEFAULT_MAX_TILE,
+    grad_comm_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Branch attention over a CP group; same meaning as dense_branch_attention, on local shards.
 
@@ -363,6 +374,10 @@ def cp_branch_attention(
     torch.distributed is not initialised, which means CP = 1). Its size must equal layout.cp_size.
     Returns out (L, H, D), lse (L, H), bout (Lb, H, D), blse (Lb, H); all ranks must call it (and
     its backward) together.
+    dtypes: fp32, bf16, fp16 (computed in fp32) and fp64 (computed in fp64 end to end).
+    grad_comm_dtype: dtype of the dK/dV partial sums that travel the ring in the backward; None
+    (default) sends them in the compute dtype (fp32; fp64 for fp64 inputs). torch.bfloat16 halves
+    those bytes for fp32 accumulation, at the price of one rounding per hop (C-1 hops).
     """
     rank, size = group_rank_and_size(group)
     if size != layout.cp_size:
@@ -388,10 +403,14 @@ def cp_branch_attention(
     _check("bq", bq, (Lb, H, D), hint)
     _check("bk", bk, (Lb, Hk, D), hint)
     _check("bv", bv, (Lb, Hk, D), hint)
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q is {q.dtype}; cp_branch_attention takes {', '.join(map(str, SUPPORTED_DTYPES))}")
+    if grad_comm_dtype is not None and (not isinstance(grad_comm_dtype, torch.dtype) or not grad_comm_dtype.is_floating_point):
+        raise TypeError(f"grad_comm_dtype must be None or a floating torch.dtype, got {grad_comm_dtype!r}")
     for name, t in (("k", k), ("v", v), ("bq", bq), ("bk", bk), ("bv", bv)):
         if t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"{name} is {t.dtype} on {t.device}; q is {q.dtype} on {q.device} (all must match)")
     plan = ring_plan(layout, rank, q.device, max_tile)
     scale = D**-0.5 if softmax_scale is None else float(softmax_scale)
     kernel = default_kernel(q.device) if kernel is None else kernel
-    return _CPBranchAttention.apply(q, k, v, bq, bk, bv, plan, group, kernel, scale, stats)
+    return _CPBranchAttention.apply(q, k, v, bq, bk, bv, plan, group, kernel, scale, stats, grad_comm_dtype)

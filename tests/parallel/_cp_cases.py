@@ -43,6 +43,7 @@ class Case:
     seed: int = 0
     lse_grad: bool = True  # False: the loss ignores the LSEs, so the fused kernels run the backward too
     kernel: str = "default"  # or "torch": the plain TorchBlockKernel for every tile
+    grad_comm: Optional[str] = None  # grad_comm_dtype of cp_branch_attention (None: the accumulation dtype)
 
 
 CASES = [
@@ -61,6 +62,12 @@ CASES = [
     Case("bf16_dflash", "dflash", dtype="bfloat16", seed=1),
     Case("bf16_eagle3_window", "eagle3", window=6, dtype="bfloat16", seed=2),
     Case("bf16_main_fused_bwd", "main", dtype="bfloat16", lse_grad=False, seed=3),
+    # The same inputs as bf16_dflash / dflash, with dK/dV sent around the ring in bf16.
+    Case("bf16_dflash_bf16_grad_comm", "dflash", dtype="bfloat16", seed=1, grad_comm="bfloat16"),
+    Case("dflash_bf16_grad_comm", "dflash", grad_comm="bfloat16"),
+    # fp64 end to end: the oracle's own precision.
+    Case("fp64_dflash_window", "dflash", window=6, dtype="float64", seed=2),
+    Case("fp64_eagle3_tiles", "eagle3", dtype="float64", max_tile=5, seed=7),
 ]
 
 HEAD_DIM = 8
@@ -149,7 +156,9 @@ def run_case(case: Case, rank: int, cp_size: int, group=None) -> dict:
     local = [t.requires_grad_() for t in local]
     stats = CPStats()
     kernel = TorchBlockKernel() if case.kernel == "torch" else None
-    out = cp_branch_attention(*local, layout, group, stats=stats, max_tile=case.max_tile, kernel=kernel)
+    grad_comm = getattr(torch, case.grad_comm) if case.grad_comm else None
+    out = cp_branch_attention(*local, layout, group, stats=stats, max_tile=case.max_tile, kernel=kernel,
+                              grad_comm_dtype=grad_comm)
     local_w = [main_shard(w_out, gpad), main_shard(w_lse, gpad),
                shard_branches(w_bout, layout, rank), shard_branches(w_blse, layout, rank)]
     sum((o.double() * w).sum() for o, w in zip(out, local_w)).backward()
@@ -183,7 +192,8 @@ def run_case(case: Case, rank: int, cp_size: int, group=None) -> dict:
 
 # ----- byte counts and balance ---------------------------------------------------------------------
 
-def bytes_case(rank: int, cp_size: int, num_blocks: int, block_size: int, dtype: str, group=None) -> CPStats:
+def bytes_case(rank: int, cp_size: int, num_blocks: int, block_size: int, dtype: str, grad_comm: Optional[str] = None,
+               group=None) -> CPStats:
     """Forward + backward on fixed main sequences with a varying number/depth of DFlash branches."""
     cu = cu_seqlens_from_lengths([21, 7, 40])
     g = torch.Generator().manual_seed(9)
@@ -195,7 +205,8 @@ def bytes_case(rank: int, cp_size: int, num_blocks: int, block_size: int, dtype:
     ts = [torch.randn(n, h, HEAD_DIM, dtype=dt, requires_grad=True)
           for n, h in [(L, H), (L, Hk), (L, Hk), (Lb, H), (Lb, Hk), (Lb, Hk)]]
     stats = CPStats()
-    out = cp_branch_attention(*ts, layout, group, stats=stats)
+    out = cp_branch_attention(*ts, layout, group, stats=stats,
+                              grad_comm_dtype=getattr(torch, grad_comm) if grad_comm else None)
     sum(o.float().sum() for o in out).backward()
     stats.local_len = L  # type: ignore[attr-defined]
     return stats
@@ -238,12 +249,15 @@ def error_cases(rank: int, cp_size: int, group=None) -> dict:
 
 def worker(rank: int, cp_size: int, cases: list[Case] = CASES) -> dict:
     """Everything the tests need from one CP degree, in one process group."""
-    results = {"cases": {}, "bytes": {}, "balance": {}}
+    results = {"cases": {}, "bytes": {}, "bytes_bf16_grad_comm": {}, "balance": {}}
     for case in cases:
         results["cases"][case.name] = run_case(case, rank, cp_size)
     for num_blocks, block_size in [(0, 1), (1, 4), (3, 4), (6, 16)]:
-        for dtype in ("float32", "bfloat16"):
+        for dtype in ("float32", "bfloat16", "float64"):
             results["bytes"][(num_blocks, block_size, dtype)] = bytes_case(rank, cp_size, num_blocks, block_size, dtype)
+        for dtype in ("float32", "bfloat16"):
+            results["bytes_bf16_grad_comm"][(num_blocks, block_size, dtype)] = bytes_case(
+                rank, cp_size, num_blocks, block_size, dtype, "bfloat16")
     for with_branches in (False, True):
         results["balance"][with_branches] = balance_case(rank, cp_size, with_branches)
     results["errors"] = error_cases(rank, cp_size)

@@ -2,7 +2,8 @@
 
 One process group per CP degree runs every case (see _cp_cases.worker); the tests below read its
 results. fp32: max abs error <= 1e-5 for out, LSE and every gradient. bf16: |err| <= 2.5e-2 +
-2.5e-2 |ref| (transformer-engine's CP test tolerance, atol = rtol = 2.5e-2).
+2.5e-2 |ref| (transformer-engine's CP test tolerance, atol = rtol = 2.5e-2). fp64: <= 1e-12 (the
+oracle's own precision: fp64 is computed in fp64 end to end).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ def results(cp_size: int) -> list:
     return _results[cp_size]
 
 
-FP32 = [c for c in CASES if c.dtype == "float32"]
+FP32 = [c for c in CASES if c.dtype == "float32" and c.grad_comm is None]
 BF16 = [c for c in CASES if c.dtype == "bfloat16"]
+FP64 = [c for c in CASES if c.dtype == "float64"]
 QUANTITIES = ["out", "lse", "bout", "blse", "dq", "dk", "dv", "dbq", "dbk", "dbv"]
 
 
@@ -49,6 +51,30 @@ def test_bf16_matches_dense(cp_size, case):
 
 
 @pytest.mark.parametrize("cp_size", CP_SIZES)
+@pytest.mark.parametrize("case", FP64, ids=lambda c: c.name)
+def test_fp64_matches_dense_to_fp64_precision(cp_size, case):
+    per_rank = [r["cases"][case.name]["abs"] for r in results(cp_size)]
+    errors = {q: max(r[q] for r in per_rank) for q in QUANTITIES}
+    assert max(errors.values()) <= 1e-12, errors
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bf16_grad_comm_changes_only_dk_dv_and_only_by_rounding(cp_size, dtype):
+    # Same inputs with dK/dV sent in fp32 (default) and in bf16: only dk/dv may differ, within
+    # one bf16 rounding per hop of the partial sums (<= C-1 hops of relative size 2^-8).
+    prefix = "bf16_" if dtype == "bfloat16" else ""
+    default, bf16_comm = (f"{prefix}dflash", f"{prefix}dflash_bf16_grad_comm")
+    for r in results(cp_size):
+        a, b = r["cases"][default]["abs"], r["cases"][bf16_comm]["abs"]
+        for q in ("out", "lse", "bout", "blse", "dq", "dbq", "dbk", "dbv"):
+            assert b[q] == a[q], q
+        if dtype == "float32":
+            assert max(b["dk"], b["dv"]) <= 2e-2, b  # bf16 rounding of O(1) partial sums
+        assert max(r["cases"][bf16_comm]["excess"].values()) <= 2.5e-2
+
+
+@pytest.mark.parametrize("cp_size", CP_SIZES)
 def test_padding_never_leaks(cp_size):
     # Padding rows were given random inputs and random loss weights; they must stay inert.
     for rank, r in enumerate(results(cp_size)):
@@ -62,7 +88,7 @@ def test_padding_never_leaks(cp_size):
 def test_bytes_closed_form_and_independent_of_branches(cp_size):
     H_kv, D = 2, HEAD_DIM
     C = cp_size
-    for dtype, size in (("float32", 4), ("bfloat16", 2)):
+    for dtype, size in (("float32", 4), ("bfloat16", 2), ("float64", 8)):
         seen = set()
         for (num_blocks, block_size, dt), _ in results(cp_size)[0]["bytes"].items():
             if dt != dtype:
@@ -72,12 +98,26 @@ def test_bytes_closed_form_and_independent_of_branches(cp_size):
                 L = stats.local_len
                 shard = 2 * L * H_kv * D  # one K/V shard, elements
                 assert stats.bytes_sent_forward == (C - 1) * shard * size, (rank, num_blocks, block_size)
-                # K/V travel the ring again, and the fp32 dK/dV make C-1 hops back to their owner.
-                expected_bwd = (C - 1) * shard * (size + 4)
+                # K/V travel the ring again, and the dK/dV (fp32; fp64 for fp64) make C-1 hops home.
+                expected_bwd = (C - 1) * shard * (size + max(size, 4))
                 assert stats.bytes_sent_backward == expected_bwd, (rank, num_blocks, block_size)
                 seen.add((rank, stats.bytes_sent_forward, stats.bytes_sent_backward))
         # The same numbers with 0, 1, 3 and 6 blocks per sequence and block sizes 1, 4, 16.
         assert len(seen) == len(results(cp_size)), seen
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_bytes_closed_form_with_bf16_grad_comm(cp_size):
+    C, shard_elems = cp_size, None
+    for (num_blocks, block_size, dtype), _ in results(cp_size)[0]["bytes_bf16_grad_comm"].items():
+        size = {"float32": 4, "bfloat16": 2}[dtype]
+        for rank, r in enumerate(results(cp_size)):
+            stats = r["bytes_bf16_grad_comm"][(num_blocks, block_size, dtype)]
+            shard_elems = 2 * stats.local_len * 2 * HEAD_DIM
+            assert stats.bytes_sent_forward == (C - 1) * shard_elems * size
+            assert stats.bytes_sent_backward == (C - 1) * shard_elems * (size + 2)  # dK/dV in 2 bytes
+            default = r["bytes"][(num_blocks, block_size, dtype)]
+            assert default.bytes_sent_backward - stats.bytes_sent_backward == (C - 1) * shard_elems * 2
 
 
 @pytest.mark.parametrize("cp_size", [2, 4])

@@ -73,6 +73,11 @@ def test_shape_errors_name_the_field():
         cp_branch_attention(q, torch.zeros(17, 3, 8), torch.zeros(17, 3, 8), b, bkv, bkv, layout)
     with pytest.raises(ValueError, match="layout.cp_size is 2"):
         cp_branch_attention(q, kv, kv, b, bkv, bkv, layout.with_cp(2))
+    ints = [t.to(torch.int32) for t in (q, kv, kv, b, bkv, bkv)]
+    with pytest.raises(TypeError, match=r"q is torch.int32; cp_branch_attention takes torch.float32, .*torch.float64"):
+        cp_branch_attention(*ints, layout)
+    with pytest.raises(TypeError, match="grad_comm_dtype must be None or a floating torch.dtype"):
+        cp_branch_attention(q, kv, kv, b, bkv, bkv, layout, grad_comm_dtype=torch.int8)
 
 
 # ----- builders --------------------------------------------------------------------------------------
