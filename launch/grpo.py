@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     except NotImplementedError as e:  # a valid config asking for what the loop does not do yet
         print(f"not supported yet ({args.config}):\n{e}", file=sys.stderr)
         return EXIT_CONFIG
+    except ConfigError as e:  # what only the run can see (e.g. the data changed since validation)
+        print(f"config error ({args.config}):\n{e}", file=sys.stderr)
+        return EXIT_CONFIG
     return int(result) if isinstance(result, int) else EXIT_OK
 
 

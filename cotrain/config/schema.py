@@ -672,14 +672,18 @@ class JsonlConfig(StrictModel):
 
 
 class EvalConfig(StrictModel):
-    """Periodic evaluation on held-out prompts."""
+    """Periodic evaluation on held-out prompts: an evaluation prompt is never a training prompt."""
 
     every: NonNegInt = 0
     """Evaluate every this many steps (0 = off)."""
     num_prompts: PosInt = 64
-    """Prompts per evaluation."""
+    """Prompts per evaluation (distinct). arithmetic: drawn from the task's distribution, excluding
+    the training prompts; jsonl without path: held out of the training file (with a fixed seed),
+    at most as many as leave grpo.prompts_per_step training prompts."""
     path: str | None = None
-    """JSONL file of evaluation prompts. null = held-out prompts of the task."""
+    """JSONL file of evaluation prompts (same keys as data.jsonl; prompts also in the training file
+    are dropped from it). null = held-out prompts of the task: for jsonl, removed from training
+    when every > 0."""
     temperature: NonNegFloat = 0.0
     """Sampling temperature of evaluation (0 = greedy)."""
 
@@ -709,7 +713,11 @@ class RewardConfig(StrictModel):
     incorrect: float = 0.0
     """Reward of a wrong answer."""
     format_error: float = 0.0
-    """Reward of a response without an answer (an empty first line)."""
+    """Reward of a response without a well-formed answer (a format error): its answer (the first
+    line, stripped) is empty, or the reference answer is a number and the answer is not one
+    (cotrain/tasks/rewards.py). 0.0 = the same as a wrong answer; set it below reward.incorrect to
+    penalise malformed output (must be < reward.correct). The fraction of format errors is the
+    metric reward/format_error."""
 
 
 # ----------------------------------------------------------------------------------------- logging

@@ -13,6 +13,7 @@ Resources (see docs/config.md): a training rank takes 1 GPU (cuda) and
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -431,37 +432,117 @@ def _fits(key: str, what: str, kind: str, settings: dict, hidden, vocab, cfg: Co
 
 
 def check_data(cfg: CotrainConfig) -> list[Issue]:
-    """Prompt sources and the reward."""
+    """Prompt sources and the reward.
+
+    Reads the data the way the run does (:func:`cotrain.tasks.data.load_task`): a JSONL line that
+    is not JSON, not an object, or lacks a key is an issue naming the file and line; so is a prompt
+    longer than the tokens it has (policy.max_seq_len - rollout.sampling.max_tokens, in tokens of
+    the policy's tokenizer)."""
     issues: list[Issue] = []
     data, P = cfg.data, cfg.grpo.prompts_per_step
+    readable = True
     if data.task == "jsonl":
         path = data.jsonl.path
         if path is None:
             issues.append(("data.jsonl.path", "is required when data.task=jsonl (allowed: an existing "
                            "JSONL file)"))
+            readable = False
         elif not Path(path).is_file():
             issues.append(("data.jsonl.path", f"{path!r} does not exist (allowed: an existing JSONL file)"))
-        else:
-            n = _count_lines(Path(path))
-            if n < P:
-                issues.append(("data.jsonl.path", f"{path!r} has {n} prompts, fewer than "
-                               f"grpo.prompts_per_step={P} (allowed: a file with >= {P} lines)"))
+            readable = False
     elif data.arithmetic.num_prompts < P:
         issues.append(("data.arithmetic.num_prompts", f"{data.arithmetic.num_prompts} is fewer than "
                        f"grpo.prompts_per_step={P} (allowed: >= {P})"))
     if data.eval.path is not None and not Path(data.eval.path).is_file():
         issues.append(("data.eval.path", f"{data.eval.path!r} does not exist (allowed: an existing JSONL file, "
                        "or null = held-out prompts of the task)"))
+        readable = False
+    if readable:
+        issues += _check_problems(cfg)
     rw = cfg.reward
     if rw.correct <= rw.incorrect:
         issues.append(("reward.correct", f"{rw.correct:g} must exceed reward.incorrect={rw.incorrect:g} "
                        f"(allowed: > {rw.incorrect:g})"))
+    if rw.format_error >= rw.correct:
+        issues.append(("reward.format_error", f"{rw.format_error:g} must be below reward.correct={rw.correct:g}, "
+                       f"or a malformed answer would count as correct (allowed: < {rw.correct:g})"))
     return issues
 
 
-def _count_lines(path: Path) -> int:
-    with path.open("rb") as f:
-        return sum(1 for line in f if line.strip())
+def _check_problems(cfg: CotrainConfig) -> list[Issue]:
+    """Load the problems as the run does; their count, the held-out set, the prompt lengths."""
+    import warnings
+
+    from cotrain.tasks.data import load_task
+
+    data, P, e = cfg.data, cfg.grpo.prompts_per_step, cfg.data.eval
+    key = "data.jsonl.path" if data.task == "jsonl" else "data.arithmetic"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the run warns about the held-out split; here only errors count
+            train, evals = load_task(data, min_train=P)
+    except ValueError as err:
+        msg = str(err)
+        if data.eval.path is not None and msg.startswith(f"{data.eval.path}"):
+            key = "data.eval.path"
+        return [(key, f"{msg} (allowed: one JSON object per line with keys {data.jsonl.prompt_key!r} and "
+                      f"{data.jsonl.answer_key!r})")]
+    issues: list[Issue] = []
+    if data.task == "jsonl" and len(train) < P:  # (prompts are held out only when P distinct ones remain)
+        issues.append(("data.jsonl.path", f"{data.jsonl.path!r} has {len(train)} prompts, fewer than "
+                       f"grpo.prompts_per_step={P} (allowed: a file with >= {P} lines)"))
+    if e.every and not evals and not issues:
+        where = (f"every prompt of {e.path} is also a training prompt" if e.path is not None else
+                 f"the training data has no prompts to hold out beyond one step's grpo.prompts_per_step={P}")
+        issues.append(("data.eval.every", f"{e.every} but there is nothing to evaluate on: {where} (allowed: 0, "
+                       "or data.eval.path with prompts that are not training prompts)"))
+    elif e.every and data.task == "arithmetic" and len(evals) < e.num_prompts:
+        issues.append(("data.eval.num_prompts", f"{e.num_prompts}, but the arithmetic task (digits="
+                       f"{data.arithmetic.digits}, ops={data.arithmetic.ops}) has only {len(evals)} distinct "
+                       f"problems outside its {data.arithmetic.num_prompts} training prompts (allowed: <= "
+                       f"{len(evals)}, or more digits / operators)"))
+    issues += check_prompt_lengths(cfg, train + evals)
+    return issues
+
+
+def check_prompt_lengths(cfg: CotrainConfig, problems: list, tokenizer: Any = None) -> list[Issue]:
+    """Prompts must fit policy.max_seq_len - rollout.sampling.max_tokens tokens of the policy's
+    tokenizer (vLLM refuses a longer one only when the step reaches it). ``tokenizer``: the
+    policy's (None = :func:`load_policy_tokenizer`, loaded only if a prompt is long enough to need it)."""
+    from cotrain.tasks.data import prompt_length_errors
+
+    S, mt = cfg.policy.max_seq_len, cfg.rollout.sampling.max_tokens
+    room = S - mt
+    if room < 1:
+        return []  # check_lengths reports rollout.sampling.max_tokens
+    tok = tokenizer
+
+    def count(prompts: list[str]) -> list[int]:
+        nonlocal tok
+        tok = tok or load_policy_tokenizer(cfg.policy.model_path)
+        return [len(ids) for ids in tok(prompts, add_special_tokens=True)["input_ids"]]
+
+    key = "data.jsonl.path" if cfg.data.task == "jsonl" else "data.arithmetic"
+    try:
+        errors = prompt_length_errors(problems, count, room)
+    except Exception as err:  # noqa: BLE001 - a tokenizer that does not load is reported, not raised
+        return [("policy.model_path", f"cannot load its tokenizer to measure the prompts ({type(err).__name__}: "
+                 f"{err})")]
+    return [(key, f"{msg} (policy.max_seq_len={S} - rollout.sampling.max_tokens={mt}; allowed: shorter prompts, "
+             "or a larger policy.max_seq_len / smaller rollout.sampling.max_tokens)") for msg in errors]
+
+
+@functools.lru_cache(maxsize=4)
+def load_policy_tokenizer(model_path: str):
+    """The tokenizer the engines use for ``policy.model_path`` (``builtin:tiny``: the built-in
+    character tokenizer, without building the model)."""
+    if model_path.startswith(_BUILTIN_PREFIX):
+        from cotrain.models.tokenizer import build_tokenizer
+
+        return build_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
 
 
 def check_checkpoint(cfg: CotrainConfig) -> list[Issue]:

@@ -28,7 +28,7 @@ import torch
 
 from cotrain.rl.batch import TrainBatch, build_batch
 from cotrain.rl.checkpoint import CheckpointManager
-from cotrain.tasks.data import Problem, PromptStream, arithmetic_dataset, load_jsonl
+from cotrain.tasks.data import Problem, PromptStream
 from cotrain.rl.grpo import group_advantages, k3_kl
 from cotrain.rl.interfaces import SamplingSpec
 from cotrain.rl.metrics import MetricsLogger
@@ -36,25 +36,40 @@ from cotrain.tasks.rewards import exact_match_reward
 
 
 # ---------------------------------------------------------------------------------------- pieces
-def load_problems(cfg) -> tuple[list[Problem], list[Problem]]:
-    """Training problems and held-out evaluation problems."""
-    d = cfg.data
-    if d.task == "arithmetic":
-        a = d.arithmetic
-        train = arithmetic_dataset(a.num_prompts, seed=a.seed, max_digits=a.digits, ops=a.ops)
-        evals = arithmetic_dataset(d.eval.num_prompts, seed=a.seed + 7919, max_digits=a.digits, ops=a.ops)
-    else:
-        train = load_jsonl(d.jsonl.path, d.jsonl.prompt_key, d.jsonl.answer_key)
-        evals = (load_jsonl(d.eval.path, d.jsonl.prompt_key, d.jsonl.answer_key) if d.eval.path
-                 else train[: d.eval.num_prompts])
-    return train, evals[: d.eval.num_prompts]
+def load_problems(cfg, tokenizer=None) -> tuple[list[Problem], list[Problem]]:
+    """Training problems and held-out evaluation problems, which share no prompt
+    (:func:`cotrain.tasks.data.load_task`, the same loading config validation does). Prompts longer
+    than policy.max_seq_len - rollout.sampling.max_tokens tokens are refused here, before any engine
+    sees them (``tokenizer``: the policy's; None = load it from policy.model_path)."""
+    from cotrain.config import ConfigError
+    from cotrain.config.validate import check_prompt_lengths
+    from cotrain.tasks.data import load_task
+
+    try:
+        train, evals = load_task(cfg.data, min_train=cfg.grpo.prompts_per_step)
+    except ValueError as e:
+        raise ConfigError([("data.eval.path" if cfg.data.eval.path and str(e).startswith(str(cfg.data.eval.path))
+                            else "data.jsonl.path", str(e))]) from None
+    issues = check_prompt_lengths(cfg, train + evals, tokenizer)
+    if issues:
+        raise ConfigError(issues)
+    return train, evals
 
 
 def score(cfg, samples, problems: list[Problem]) -> torch.Tensor:
-    """Rewards [prompts, group]."""
+    """Rewards [prompts, group]: reward.correct / incorrect / format_error (cotrain.tasks.rewards)."""
     r = cfg.reward
-    return torch.tensor([[exact_match_reward(s.text, p.answer, r.correct, r.incorrect) for s in row]
+    return torch.tensor([[exact_match_reward(s.text, p.answer, r.correct, r.incorrect, r.format_error) for s in row]
                          for row, p in zip(samples, problems)])
+
+
+def reward_metrics(samples, problems: list[Problem]) -> dict[str, float]:
+    """``reward/format_error``: the fraction of responses without a well-formed answer
+    (cotrain.tasks.rewards.grade), whatever reward.format_error pays for them."""
+    from cotrain.tasks.rewards import FORMAT_ERROR, grade
+
+    outcomes = [grade(s.text, p.answer) for row, p in zip(samples, problems) for s in row]
+    return {"reward/format_error": sum(o == FORMAT_ERROR for o in outcomes) / max(1, len(outcomes))}
 
 
 def train_inference_kl(batch: TrainBatch) -> dict[str, float]:

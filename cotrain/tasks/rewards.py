@@ -1,6 +1,26 @@
-"""Verifiable rewards: a response is scored against the problem's exact answer."""
+"""Verifiable rewards: a response is scored against the problem's exact answer.
+
+The answer is the response text up to the first newline, stripped of surrounding spaces. Each
+response gets one of three outcomes:
+
+- ``correct``: the answer equals the reference answer (exact string match);
+- ``format_error``: there is no answer to compare - the answer is empty, or the reference answer
+  is a number and the answer is not one (``"12a"``, ``"-"``, ``"twelve"``);
+- ``incorrect``: any other answer (a well-formed but wrong one, e.g. ``"5430"`` for ``"543"``).
+
+A number is an optional sign, digits with an optional decimal part, and an optional exponent
+(``"42"``, ``"-3"``, ``"0.5"``, ``".5"``, ``"1e3"``); thousands separators and spaces inside are
+not. Exact match still decides correctness: ``"0543"`` and ``"543.0"`` are numbers, hence
+incorrect (not format errors) against ``"543"``.
+"""
 
 from __future__ import annotations
+
+import re
+
+CORRECT, INCORRECT, FORMAT_ERROR = "correct", "incorrect", "format_error"
+
+_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
 
 
 def extract_answer(response: str) -> str:
@@ -8,5 +28,26 @@ def extract_answer(response: str) -> str:
     return response.split("\n", 1)[0].strip()
 
 
-def exact_match_reward(response: str, answer: str, correct: float = 1.0, incorrect: float = 0.0) -> float:
-    return correct if extract_answer(response) == answer.strip() else incorrect
+def is_number(text: str) -> bool:
+    return _NUMBER.fullmatch(text) is not None
+
+
+def grade(response: str, answer: str) -> str:
+    """``CORRECT``, ``INCORRECT`` or ``FORMAT_ERROR`` (see the module docstring)."""
+    got, want = extract_answer(response), answer.strip()
+    if got == want:
+        return CORRECT
+    if not got or (is_number(want) and not is_number(got)):
+        return FORMAT_ERROR
+    return INCORRECT
+
+
+def exact_match_reward(response: str, answer: str, correct: float = 1.0, incorrect: float = 0.0,
+                       format_error: float | None = None) -> float:
+    """``correct`` / ``incorrect`` / ``format_error`` by :func:`grade` (format_error None = incorrect)."""
+    outcome = grade(response, answer)
+    if outcome == CORRECT:
+        return correct
+    if outcome == FORMAT_ERROR and format_error is not None:
+        return format_error
+    return incorrect
