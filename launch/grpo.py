@@ -79,6 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # what only the run can see (e.g. the data changed since validation)
         print(f"config error ({args.config}):\n{e}", file=sys.stderr)
         return EXIT_CONFIG
+    except Exception as e:
+        from cotrain.rl.checkpoint import CheckpointError
+
+        if not isinstance(e, CheckpointError):
+            raise
+        print(f"checkpoint error ({args.config}):\n{e}", file=sys.stderr)  # names the damaged file
+        return EXIT_CONFIG
     return int(result) if isinstance(result, int) else EXIT_OK
 
 

@@ -546,11 +546,21 @@ def load_policy_tokenizer(model_path: str):
 
 
 def check_checkpoint(cfg: CotrainConfig) -> list[Issue]:
+    """A checkpoint named by path must exist, be complete and match its manifest (file sizes; the
+    run also checks the sha256 before loading). ``true`` is checked by the run, which falls back
+    past damaged checkpoints (cotrain.rl.checkpoint)."""
     issues: list[Issue] = []
     res = cfg.checkpoint.resume
     if isinstance(res, str) and not Path(res).exists():
         issues.append(("checkpoint.resume", f"{res!r} does not exist (allowed: true, false, or an existing "
                        "checkpoint directory)"))
+    elif isinstance(res, str):
+        from cotrain.rl.checkpoint import verify_checkpoint
+
+        problems = verify_checkpoint(Path(res), hashes=False)
+        if problems:
+            issues.append(("checkpoint.resume", f"{res!r} is not a usable checkpoint: {'; '.join(problems)} "
+                           "(allowed: true = the newest usable one, or a complete, undamaged step directory)"))
     return issues
 
 

@@ -8,6 +8,7 @@ Metric names are ``group/name`` (``reward/mean``, ``kl/train_infer``, ``spec/acc
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 
@@ -25,7 +26,7 @@ class MetricsLogger:
         self.out.mkdir(parents=True, exist_ok=True)
         self.jsonl = self.out / "metrics.jsonl"
         if self.jsonl.exists():  # keep the history of the steps before the resume point only
-            kept = [ln for ln in self.jsonl.read_text().splitlines() if ln and json.loads(ln)["step"] <= resume_step]
+            kept = [json.dumps(r) for r in _parse_lines(self.jsonl) if r["step"] <= resume_step]
             self.jsonl.write_text("".join(k + "\n" for k in kept))
         self.tb = None
         if cfg.logging.tensorboard:
@@ -70,8 +71,27 @@ class MetricsLogger:
             self.mlflow.end_run()
 
 
+def _parse_lines(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl. A line that does not parse as a record with a ``step`` - the
+    partial last line of a run killed mid-write - is skipped with a warning naming file and line."""
+    rows = []
+    for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("not a record with an integer 'step'")
+        except ValueError as e:
+            warnings.warn(f"{path}:{lineno}: skipping an unreadable metrics line (a write cut short?): "
+                          f"{type(e).__name__}: {e}", stacklevel=3)
+            continue
+        rows.append(row)
+    return rows
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir} (is it a cotrain run directory?)")
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    return _parse_lines(path)
