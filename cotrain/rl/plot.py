@@ -1,7 +1,11 @@
 """Turn a run directory into PNG curves: ``python -m cotrain.rl.plot runs/demo [--out curves.png]``.
 
-Panels: reward (mean, and accuracy), KL (train-inference, to reference), acceptance length (when
-speculative decoding was on), and step time split into rollout / update / weight push.
+Panels (each drawn only when at least one of its metrics is in metrics.jsonl, so a plain GRPO run
+has no drafter panels): reward (mean, and held-out accuracy); KL to the reference policy (linear);
+train-inference KL on its own log axis (it is ~1e-9, invisible next to kl/ref); acceptance length
+(vLLM's measured ``spec/acceptance_length`` with the co-trained drafter's offline
+``draft/acceptance_offline``); the drafter's loss; and seconds per step split into rollout /
+update / drafter / weight pushes.
 """
 
 from __future__ import annotations
@@ -11,12 +15,25 @@ from pathlib import Path
 
 from cotrain.rl.metrics import read_metrics
 
+#: (title, metric keys, y scale)
 PANELS = [
-    ("reward", ["reward/mean", "eval/accuracy"]),
-    ("KL", ["kl/train_infer", "kl/ref"]),
-    ("acceptance length", ["spec/acceptance_length", "draft/offline_acceptance_length"]),
-    ("seconds per step", ["time/rollout", "time/update", "time/weight_push"]),
+    ("reward", ["reward/mean", "eval/accuracy"], "linear"),
+    ("KL to reference", ["kl/ref"], "linear"),
+    ("train-inference KL", ["kl/train_infer"], "log"),
+    ("acceptance length", ["spec/acceptance_length", "draft/acceptance_offline"], "linear"),
+    ("drafter loss", ["draft/loss"], "linear"),
+    ("seconds per step", ["time/rollout", "time/update", "time/draft", "time/weight_push", "time/draft_push"], "linear"),
 ]
+
+
+def select_panels(rows: list[dict]) -> list[tuple[str, list[str], str]]:
+    """The panels to draw for these metric rows: each with the keys present, panels with none dropped."""
+    out = []
+    for title, keys, scale in PANELS:
+        present = [k for k in keys if any(k in r for r in rows)]
+        if present:
+            out.append((title, present, scale))
+    return out
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
@@ -31,32 +48,55 @@ def moving_average(values: list[float], window: int) -> list[float]:
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draw ``<run_dir>/metrics.jsonl`` to ``out`` (default ``<run_dir>/curves.png``)."""
+    import matplotlib.pyplot as plt
+
+    fig = make_figure(read_metrics(run_dir), f"cotrain run: {Path(run_dir).name}")
+    out = Path(out) if out else Path(run_dir) / "curves.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def make_figure(rows: list[dict], title: str = ""):
+    """The matplotlib figure of these metric rows, one axis per :func:`select_panels` panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(run_dir)
-    panels = [(title, [k for k in keys if any(k in r for r in rows)]) for title, keys in PANELS]
-    panels = [p for p in panels if p[1]]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-    for ax, (title, keys) in zip(axes[0], panels):
+    panels = select_panels(rows)
+    if not panels:
+        raise ValueError("no plottable metrics (none of: " + ", ".join(k for _, ks, _ in PANELS for k in ks) + ")")
+    cols = min(4, len(panels))
+    nrows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (panel, keys, scale) in zip(axes.flat, panels):
         for k in keys:
             pts = [(r["step"], r[k]) for r in rows if k in r]
+            if scale == "log":  # a log axis cannot show 0 (an exact match): leave such points out, say so
+                zeros = sum(1 for p in pts if not p[1] > 0)
+                pts = [p for p in pts if p[1] > 0]
+                if zeros:
+                    ax.text(0.02, 0.02, f"{k} = 0 at {zeros} step(s), not shown", transform=ax.transAxes, fontsize=7)
+                if not pts:
+                    continue
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
             line, = ax.plot(xs, ys, marker="o", ms=2, lw=0.8, alpha=0.5 if len(xs) > 10 else 1.0, label=k)
             if len(xs) > 10:  # per-step values are noisy (each step draws new prompts): add a trend
                 ax.plot(xs, moving_average(ys, 10), color=line.get_color(), lw=2, label=f"{k} (10-step mean)")
-        ax.set_title(title)
+        ax.set_title(panel)
         ax.set_xlabel("step")
+        if scale == "log" and ax.has_data():
+            ax.set_yscale("log")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"cotrain run: {Path(run_dir).name}")
+        if ax.has_data():
+            ax.legend(fontsize=7)
+    fig.suptitle(title)
     fig.tight_layout()
-    out = Path(out) if out else Path(run_dir) / "curves.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def main(argv=None) -> None:
