@@ -1,31 +1,51 @@
 """Benchmark: TapChannel (taps straight to the last stage) vs relaying taps stage to stage, on CPU.
 
 A tiny random megatron-core GPTModel trains through ``forward_backward_pipelining_without_interleaving``
-over gloo at PP=2 and PP=4 (one spawned group per PP degree; every mode runs in that same group, one
-after the other). Tap layers are spread over the stages (DFlash-style); the last stage "reads" the taps
-for each microbatch in its loss function, where a drafter would run. Modes:
+over gloo at PP=2 and PP=4 (one spawned group per PP degree; every arm runs in that same group). Tap
+layers are spread over the stages (DFlash-style). Arms:
 
 - none:  no taps (the training step alone).
 - shm:   TapChannel, shared-memory transport.
 - gloo:  TapChannel, gloo p2p on a dedicated group.
-- relay: the naive design. Each stage receives the taps of all upstream stages for the microbatch at
-         the start of its forward (blocking recv on a dedicated gloo group), appends its own, and sends
-         the lot to the next stage after its forward; the last stage receives everything from its
-         predecessor. Every feature crosses (last stage - source stage) hops and every hop is on the
-         pipeline's critical path. (Megatron's schedule is not modified: widening its own activation
-         tensor would be the other way to relay, with the same hops and bytes.)
+- relay: the naive design on a dedicated gloo group. After its forward of a microbatch, each stage
+         receives the taps of all upstream stages from its predecessor (blocking), appends its own and
+         sends the lot on; the last stage receives everything from its predecessor. Every feature
+         crosses (last stage - source stage) hops. (Megatron's schedule is not modified: widening its
+         own activation tensor would be the other way to relay, with the same hops and bytes.)
 
-Per PP degree and mode: step time (median over timed steps of the slowest rank; the modes run
-interleaved, one step of each per round, so that outside load hits them alike), CPU time of the
-busiest rank, the last stage's wait
-for taps as a fraction of the step (goal <= 2%), the sources' write time, bytes moved per step. Raw
-transfer rate of shm and gloo: stage 0 streams large taps to the last stage through the channel,
+Like with like: the last stage gets its taps at the same point in every arm, in the loss function
+right after its own forward of the microbatch, where a drafter would run (``channel.read(mb)``, or
+the relay's receive); a relay stage receives after its forward too, so the relay's transfers get
+the same head start as TapChannel's.
+
+What counts as overhead: the time each rank's training thread spends in tap code, per step. For
+TapChannel that is the sources' ``write`` (copy + stamp, or posting the gloo sends, back-pressure
+included) plus the reader's wait for stamps and copy-out; for the relay, every stage's blocking
+receive plus its concatenation and send. Reported per step as a fraction of that step's time (the
+slowest rank's wall time): summed over the ranks (``tap_frac_all_ranks``: as if all of it lay on the
+critical path, an upper bound) and for the busiest rank (``tap_frac_busiest_rank``), next to the
+reader's part and the busiest source's part. The wall-time difference to ``none`` in the same round
+(``step_overhead_vs_none``) is reported too, but on a shared 2-core machine it is noise-dominated.
+
+Arms are interleaved round by round (one step of each per round, the order rotating from round to
+round) so that load from other processes hits every arm alike; after warm-up rounds, every number is
+reported as the median and the range (min, max) over the timed rounds.
+
+Raw transfer rate of shm and gloo: stage 0 streams large taps to the last stage through the channel,
 after one untimed pass that fills the ring; "MB_per_s" reads zero-copy views (the transport alone),
-"MB_per_s_with_copy_out" uses ``read`` (one more memcpy on the reader); medians over rounds. The taps of shm, gloo and relay are checked to be identical. Writes
-bench/results/tapchannel.json and docs/img/tapchannel.png.
+"MB_per_s_with_copy_out" uses ``read`` (one more memcpy on the reader); median and range over rounds.
+The taps of shm, gloo and relay are checked to be identical.
 
-    python bench/tapchannel.py            # defaults: a few minutes on 2 cores
-    python bench/tapchannel.py --quick    # about a minute, for a smoke test
+Not measured here: the overhead inside a real GRPO co-training step (drafter forward/backward on the
+taps, optimizer, rollouts); that comes with the co-training loop.
+
+Writes the JSON (``--out``, default bench/results/tapchannel.json) and a PNG beside it, plus the
+docs figure (docs/img/tapchannel.png, not in --quick mode), and prints the markdown table of
+docs/tapchannel.md.
+
+    python bench/tapchannel.py              # defaults: ~3 min on 2 cores
+    python bench/tapchannel.py --quick      # about a minute, for a smoke test
+    python bench/tapchannel.py --plot-only  # redraw the PNGs and reprint the table from the JSON
 """
 
 from __future__ import annotations
@@ -61,7 +81,11 @@ def tap_layers(num_layers: int, count: int) -> list[int]:
 # ----- the naive relay ------------------------------------------------------------------------------------
 
 class Relay:
-    """Taps relayed hop by hop along the pipeline on a dedicated gloo group (see module doc)."""
+    """Taps relayed hop by hop along the pipeline on a dedicated gloo group (see module doc).
+
+    Counts on this rank, per step: ``recv_s`` (blocked in the receive from the previous stage) and
+    ``work_s`` (concatenating, waiting for the previous send, posting the next). A middle stage does
+    both right after its forward; the last stage in :meth:`read`, where TapChannel's reader reads."""
 
     def __init__(self, model, layout, layers, hidden, group):
         from cotrain.tapchannel.hooks import stage_layer_offset, unwrap_model
@@ -74,12 +98,11 @@ class Relay:
         stage_of = {i: layout.stage_of_layer(i) for i in layers}
         self.upstream = [i for i in layers if stage_of[i] < self.stage]  # arrive from the previous stage
         self.own = [i for i in layers if stage_of[i] == self.stage]
-        self.mb, self.n = 0, 0
-        self.carried: torch.Tensor | None = None
+        self.n = 0
         self.mine: dict[int, torch.Tensor] = {}
         self.inflight = []
-        self.delivered: dict[int, dict[int, torch.Tensor]] = {}
-        self.wait_s = self.send_s = 0.0
+        self.max_inflight = 2 * layout.pp_size  # sends in flight, held by reference (gloo: 2 x slots, slots = pp)
+        self.recv_s = self.work_s = 0.0
         self.bytes_sent = 0
         off = stage_layer_offset(self.model)
         self.handles = [self.model.register_forward_pre_hook(self._pre), self.model.register_forward_hook(self._post)]
@@ -91,40 +114,50 @@ class Relay:
         s, b, w = h.shape
         return h.detach().transpose(0, 1).reshape(b * s, w)[: self.n]
 
-    def set_microbatch(self, mb, n):
-        self.mb, self.n = mb, n
+    def set_microbatch(self, n):
+        self.n = n
 
     def _pre(self, module, args):
         self.mine = {}
-        self.carried = None
+
+    def _parts(self) -> tuple[list[torch.Tensor], float]:
+        """Upstream taps (blocking receive) + this stage's own; returns them and when the work began."""
+        parts = []
         if self.upstream:
             t0 = time.perf_counter()
             buf = torch.empty(len(self.upstream), self.n, self.hidden)
             dist.irecv(buf, src=self.layout.stage_ranks[self.stage - 1], group=self.group).wait()
-            self.carried = buf
-            self.wait_s += time.perf_counter() - t0
+            self.recv_s += time.perf_counter() - t0
+            parts.append(buf)
+        t0 = time.perf_counter()
+        return parts + [self.mine[i][None] for i in self.own], t0
 
     def _post(self, module, args, out):
-        t0 = time.perf_counter()
-        parts = ([self.carried] if self.carried is not None else []) + [self.mine[i][None] for i in self.own]
         if self.stage == self.last:
-            allt = torch.cat(parts) if parts else None
-            self.delivered[self.mb] = {i: allt[k] for k, i in enumerate(self.upstream + self.own)}
-        elif parts:
-            while self.inflight:  # the previous microbatch's send must be done before the next goes out
+            return  # the last stage gets its taps in read(), like TapChannel's reader
+        parts, t0 = self._parts()
+        if parts:
+            while len(self.inflight) >= self.max_inflight:  # as much buffering as TapChannel's gloo writer
                 self.inflight.pop(0)[0].wait()
             payload = torch.cat(parts).contiguous()
             self.inflight.append((dist.isend(payload, dst=self.layout.stage_ranks[self.stage + 1], group=self.group),
                                   payload))
             self.bytes_sent += payload.numel() * payload.element_size()
-        self.send_s += time.perf_counter() - t0
+        self.work_s += time.perf_counter() - t0
 
-    def read(self, mb):
-        return self.delivered.pop(mb)
+    def read(self) -> dict[int, torch.Tensor]:
+        """Last stage, after its forward of the microbatch: every tap of it, upstream and own."""
+        parts, t0 = self._parts()
+        allt = torch.cat(parts)
+        out = {i: allt[k] for k, i in enumerate(self.upstream + self.own)}
+        self.work_s += time.perf_counter() - t0
+        return out
 
     def finish(self):
+        t0 = time.perf_counter()
         while self.inflight:
             self.inflight.pop(0)[0].wait()
+        self.work_s += time.perf_counter() - t0
 
     def remove(self):
         for h in self.handles:
@@ -142,7 +175,7 @@ def bench_rank(rank, world, args, state):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from cotrain.tapchannel import PipelineLayout, TapChannel, attach_tap_hooks, tap_specs
+    from cotrain.tapchannel import PipelineLayout, TapChannel, TapSpec, attach_tap_hooks, tap_specs
 
     pp = world
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp)
@@ -167,17 +200,20 @@ def bench_rank(rank, world, args, state):
 
     chans = {t: TapChannel(specs, layout, t, max_tokens=S * B, name=f"bench-{t}", timeout_s=120) for t in ("shm", "gloo")}
     relay_group = dist.new_group(list(layout.stage_ranks), backend="gloo")
-    out = {"rank": rank, "stage": layout.stage_of_rank(rank), "layers": layers, "tokens": tokens, "modes": {}}
+    out = {"rank": rank, "stage": layout.stage_of_rank(rank), "layers": layers, "tokens": tokens}
     checks = {}
-    units = len(MODES) * (args.warmup + args.steps)
-    bar = tqdm(total=units, desc=f"PP={pp} steps", leave=False, disable=rank != 0 or not args.progress)
-
-    per_mode = {m: {"step_s": [], "cpu_s": [], "reader_wait_s": [], "reader_copy_s": [], "write_s": [], "backpressure_s": [], "moved_bytes": [], "relay_wait_s": [],
-                    "relay_send_s": [], "relay_bytes": []} for m in MODES}
-    # modes interleaved round-robin (one step of each per round), so that load from other processes on
-    # the machine hits every mode alike
-    for rnd in range(args.warmup + args.steps):
-        for mode in MODES:
+    rounds = args.warmup + args.steps
+    bar = tqdm(total=len(MODES) * rounds, desc=f"PP={pp} steps", leave=False, disable=rank != 0 or not args.progress)
+    # per arm, per timed round, on this rank: wall and CPU time of the step; time in tap code (tap_s),
+    # split into writing / relaying (write_s) and getting the taps on the last stage (read_s, of which
+    # reader_wait_s is waiting); bytes that crossed
+    keys = ("step_s", "cpu_s", "tap_s", "write_s", "backpressure_s", "read_s", "reader_wait_s", "moved_bytes")
+    per_mode = {m: {k: [] for k in keys} for m in MODES}
+    for rnd in range(rounds):
+        # interleaved (one step of each arm per round) in an order that rotates from round to round, so
+        # that load from other processes on the machine and the position in the round hit every arm alike
+        order = MODES[rnd % len(MODES):] + MODES[:rnd % len(MODES)]
+        for mode in order:
             chan = chans.get(mode)
             hooks = attach_tap_hooks(model, chan) if chan is not None else None
             relay = Relay(model, layout, layers, H, relay_group) if mode == "relay" else None
@@ -190,14 +226,15 @@ def bench_rank(rank, world, args, state):
                 if hooks is not None:
                     hooks.set_microbatch(mb, num_tokens=n)
                 if relay is not None:
-                    relay.set_microbatch(mb, n)
+                    relay.set_microbatch(n)
                 o = model(ids, pos, None, labels=labels)
 
                 def loss_func(per_token):
+                    # every arm gets the taps here: after this stage's forward, where the drafter runs
                     if last and chan is not None:
                         got[mb] = chan.read(mb)
                     elif last and relay is not None:
-                        got[mb] = relay.read(mb)
+                        got[mb] = relay.read()
                     loss = per_token.float().mean()
                     return loss, {"loss": loss.detach()}
 
@@ -208,25 +245,27 @@ def bench_rank(rank, world, args, state):
             fb(forward_step_func=forward_step, data_iterator=iter(list(enumerate(data))), model=[model],
                num_microbatches=M, seq_length=S, micro_batch_size=B, forward_only=False)
             if relay is not None:
-                relay.finish()
+                relay.finish()  # a relay's last sends are part of its step
             dt, dc = time.perf_counter() - t0, time.process_time() - c0
             model.zero_grad(set_to_none=True)
             stats = chan.end_step() if chan is not None else None
-            rec = per_mode[mode]
             if rnd >= args.warmup:
+                rec = per_mode[mode]
                 rec["step_s"].append(dt)
                 rec["cpu_s"].append(dc)
                 if stats is not None:
-                    rec["reader_wait_s"].append(stats["reader_wait_s"])
-                    rec["reader_copy_s"].append(stats["reader_copy_s"])
-                    rec["write_s"].append(stats["write_s"])
-                    rec["backpressure_s"].append(stats["backpressure_s"])
-                    rec["moved_bytes"].append(stats["moved_bytes"])
-                if relay is not None:
-                    rec["relay_wait_s"].append(relay.wait_s)
-                    rec["relay_send_s"].append(relay.send_s)
-                    rec["relay_bytes"].append(relay.bytes_sent)
-            if last and rnd == args.warmup + args.steps - 1 and mode != "none":
+                    write, read = stats["write_s"], stats["reader_wait_s"] + stats["reader_copy_s"]
+                    vals = dict(tap_s=write + read, write_s=write, backpressure_s=stats["backpressure_s"], read_s=read,
+                                reader_wait_s=stats["reader_wait_s"], moved_bytes=stats["moved_bytes"])
+                elif relay is not None:
+                    t = relay.recv_s + relay.work_s
+                    vals = dict(tap_s=t, write_s=0.0 if last else t, backpressure_s=0.0, read_s=t if last else 0.0,
+                                reader_wait_s=relay.recv_s if last else 0.0, moved_bytes=relay.bytes_sent)
+                else:
+                    vals = dict(tap_s=0.0, write_s=0.0, backpressure_s=0.0, read_s=0.0, reader_wait_s=0.0, moved_bytes=0)
+                for k, v in vals.items():
+                    rec[k].append(v)
+            if last and rnd == rounds - 1 and mode != "none":
                 checks[mode] = got
             if hooks is not None:
                 hooks.remove()
@@ -242,12 +281,10 @@ def bench_rank(rank, world, args, state):
             sorted(checks[m][mb]) == layers and all(torch.equal(checks[m][mb][i], ref[mb][i]) for i in layers)
             for m in ("gloo", "relay") for mb in range(M))
 
-    # raw transfer rate: stage 0 -> last stage, large taps, through each channel (write + read with copy)
+    # raw transfer rate: stage 0 -> last stage, large taps, through each channel (write + read)
     out["raw"] = {}
     src, dst = layout.stage_ranks[0], layout.reader_rank
     big_layer = layers[0]
-    from cotrain.tapchannel import TapSpec
-
     rspec = [TapSpec(big_layer, args.raw_width).resolve(layout)]
     for t in ("shm", "gloo"):
         ch = TapChannel(rspec, layout, t, max_tokens=args.raw_tokens, name=f"raw-{t}", timeout_s=120)
@@ -276,10 +313,8 @@ def bench_rank(rank, world, args, state):
             if rnd > 0:
                 rates[how].append(nb * args.raw_iters / dt / 1e6)
         if rank == dst:
-            out["raw"][t] = {"payload_bytes": nb, "iters": args.raw_iters,
-                             "MB_per_s": statistics.median(rates["view"]),
-                             "MB_per_s_with_copy_out": statistics.median(rates["copy"]),
-                             "MB_per_s_rounds": rates}
+            out["raw"][t] = {"payload_bytes": nb, "iters": args.raw_iters, "MB_per_s": rng(rates["view"]),
+                             "MB_per_s_with_copy_out": rng(rates["copy"])}
         ch.close()
     for c in chans.values():
         c.close()
@@ -297,51 +332,106 @@ def reference_state(rank, world, args):
     return stage_state_global(build_gpt_model(ArchSpec.from_hf(arch_dict(args))))
 
 
-# ----- summary and plot ---------------------------------------------------------------------------------
+# ----- summary, table and plot ---------------------------------------------------------------------------
+
+def rng(xs) -> dict:
+    """Median and range of the rounds."""
+    xs = list(xs)
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
 
 def summarize(pp, ranks, args):
-    last = ranks[-1]
+    """Per arm: every number per timed round first (a step = the slowest rank's wall time; fractions
+    are of that round's step), then its median and range over the rounds."""
+    last, sources = ranks[-1], ranks[:-1]
+    K = args.steps
+    step = {m: [max(r["modes"][m]["step_s"][k] for r in ranks) for k in range(K)] for m in MODES}
+
+    def per_round(f):
+        return rng(f(k) for k in range(K))
+
     modes = {}
-    for mode in MODES:
-        step = [max(r["modes"][mode]["step_s"][k] for r in ranks) for k in range(args.steps)]  # slowest rank
-        med = statistics.median(step)
-        cpu = statistics.median(max(r["modes"][mode]["cpu_s"][k] for r in ranks) for k in range(args.steps))
-        m = {"step_s": med, "step_s_all": step, "cpu_s": cpu}
-        lm = last["modes"][mode]
-        if mode in ("shm", "gloo"):
-            wait = statistics.median(lm["reader_wait_s"])
-            src_write = max(statistics.median(r["modes"][mode]["write_s"]) for r in ranks[:-1])
-            src_bp = max(statistics.median(r["modes"][mode]["backpressure_s"]) for r in ranks[:-1])
-            read = statistics.median(a + b for a, b in zip(lm["reader_wait_s"], lm["reader_copy_s"]))
-            m.update(reader_wait_s=wait, reader_wait_frac=wait / med, reader_read_s=read, reader_read_frac=read / med,
-                     source_write_s=src_write, source_backpressure_s=src_bp,
-                     source_write_frac=src_write / med, bytes_moved_per_step=lm["moved_bytes"][0])
-        elif mode == "relay":
-            wait = statistics.median(lm["relay_wait_s"])
-            per_stage = [statistics.median(r["modes"][mode]["relay_wait_s"]) + statistics.median(r["modes"][mode]["relay_send_s"])
-                         for r in ranks]
-            m.update(reader_wait_s=wait, reader_wait_frac=wait / med, relay_s_max_stage=max(per_stage),
-                     relay_frac_max_stage=max(per_stage) / med,
-                     bytes_moved_per_step=sum(r["modes"][mode]["relay_bytes"][0] for r in ranks))
-        modes[mode] = m
-    base = modes["none"]["step_s"]
-    for mode in MODES:
-        modes[mode]["overhead_vs_none"] = modes[mode]["step_s"] / base - 1
-        modes[mode]["cpu_overhead_vs_none"] = modes[mode]["cpu_s"] / modes["none"]["cpu_s"] - 1
-    tap = modes["shm"]
+    for m in MODES:
+        st = step[m]
+        col = lambda key, rs: [[r["modes"][m][key][k] for r in rs] for k in range(K)]  # noqa: E731
+        tap, write = col("tap_s", ranks), col("write_s", sources)
+        d = {
+            "step_ms": rng(x * 1e3 for x in st),
+            "step_overhead_vs_none": per_round(lambda k: st[k] / step["none"][k] - 1),
+            "cpu_s_busiest_rank": per_round(lambda k: max(r["modes"][m]["cpu_s"][k] for r in ranks)),
+        }
+        if m != "none":
+            lm = last["modes"][m]
+            d.update(
+                tap_frac_all_ranks=per_round(lambda k: sum(tap[k]) / st[k]),
+                tap_frac_busiest_rank=per_round(lambda k: max(tap[k]) / st[k]),
+                reader_frac=per_round(lambda k: lm["read_s"][k] / st[k]),
+                reader_wait_frac=per_round(lambda k: lm["reader_wait_s"][k] / st[k]),
+                source_write_frac_busiest=per_round(lambda k: max(write[k]) / st[k]),
+                sources_write_frac=per_round(lambda k: sum(write[k]) / st[k]),
+                reader_ms=rng(x * 1e3 for x in lm["read_s"]),
+                source_write_ms_busiest=per_round(lambda k: 1e3 * max(write[k])),
+                source_backpressure_ms_busiest=per_round(
+                    lambda k: 1e3 * max(r["modes"][m]["backpressure_s"][k] for r in sources)),
+                bytes_moved_per_step=(sum(r["modes"][m]["moved_bytes"][0] for r in ranks) if m == "relay"
+                                      else lm["moved_bytes"][0]),
+            )
+        modes[m] = d
+    med = lambda m, key: modes[m][key]["median"]  # noqa: E731
+    raw = last["raw"]
     ratios = {
-        "relay_over_shm_step": modes["relay"]["step_s"] / tap["step_s"],
-        "relay_over_gloo_step": modes["relay"]["step_s"] / modes["gloo"]["step_s"],
-        "relay_over_tap_bytes": modes["relay"]["bytes_moved_per_step"] / tap["bytes_moved_per_step"],
-        # the relay's last stage blocks in its receive; TapChannel's reader waits for stamps and copies out
-        "relay_over_shm_reader_time": modes["relay"]["reader_wait_s"] / tap["reader_read_s"],
-        "relay_over_gloo_reader_time": modes["relay"]["reader_wait_s"] / modes["gloo"]["reader_read_s"],
-        "shm_over_gloo_raw_rate": last["raw"]["shm"]["MB_per_s"] / last["raw"]["gloo"]["MB_per_s"],
-        "shm_over_gloo_raw_rate_with_copy_out": (last["raw"]["shm"]["MB_per_s_with_copy_out"]
-                                                 / last["raw"]["gloo"]["MB_per_s_with_copy_out"]),
+        "relay_over_shm_tap_time": med("relay", "tap_frac_all_ranks") / med("shm", "tap_frac_all_ranks"),
+        "relay_over_gloo_tap_time": med("relay", "tap_frac_all_ranks") / med("gloo", "tap_frac_all_ranks"),
+        "relay_over_shm_reader_time": med("relay", "reader_frac") / med("shm", "reader_frac"),
+        "relay_over_tap_bytes": modes["relay"]["bytes_moved_per_step"] / modes["shm"]["bytes_moved_per_step"],
+        "shm_over_gloo_raw_rate": raw["shm"]["MB_per_s"]["median"] / raw["gloo"]["MB_per_s"]["median"],
+        "shm_over_gloo_raw_rate_with_copy_out": (raw["shm"]["MB_per_s_with_copy_out"]["median"]
+                                                 / raw["gloo"]["MB_per_s_with_copy_out"]["median"]),
     }
     return {"pp": pp, "tap_layers": last["layers"], "tokens_per_microbatch": last["tokens"], "modes": modes,
-            "raw_transfer": last["raw"], "ratios": ratios, "taps_identical_shm_gloo_relay": last["identical"]}
+            "raw_transfer": raw, "ratios": ratios, "taps_identical_shm_gloo_relay": last["identical"]}
+
+
+def _pct(r: dict) -> str:
+    return f"{100 * r['median']:.2f}% ({100 * r['min']:.2f}–{100 * r['max']:.2f})"
+
+
+def _num(r: dict, fmt: str = "{:.0f}") -> str:
+    return f"{fmt.format(r['median'])} ({fmt.format(r['min'])}–{fmt.format(r['max'])})"
+
+
+def markdown(result: dict) -> str:
+    """The tables of docs/tapchannel.md, from the JSON (median (min–max) over the timed rounds)."""
+    rows = result["results"]
+    lines = ["| arm | PP | tap time, all ranks | busiest rank | last stage gets its taps | of which waiting "
+             "| busiest source writes | step vs `none` (paired) | step (ms) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for mode in ("shm", "gloo", "relay"):
+        for r in rows:
+            m = r["modes"][mode]
+            lines.append(f"| {mode} | {r['pp']} | **{_pct(m['tap_frac_all_ranks'])}** | {_pct(m['tap_frac_busiest_rank'])} "
+                         f"| {_pct(m['reader_frac'])} | {_pct(m['reader_wait_frac'])} "
+                         f"| {_pct(m['source_write_frac_busiest'])} | {_pct(m['step_overhead_vs_none'])} "
+                         f"| {_num(m['step_ms'])} |")
+    for r in rows:
+        lines.append(f"| none | {r['pp']} | | | | | | | {_num(r['modes']['none']['step_ms'])} |")
+    lines += ["", "| | " + " | ".join(f"PP={r['pp']}" for r in rows) + " |", "|---|" + "---|" * len(rows)]
+
+    def row(name, f):
+        lines.append(f"| {name} | " + " | ".join(f(r) for r in rows) + " |")
+
+    row("relay / TapChannel (shm) tap time, all ranks",
+        lambda r: f"{r['ratios']['relay_over_shm_tap_time']:.1f}x")
+    row("relay / TapChannel (gloo) tap time, all ranks",
+        lambda r: f"{r['ratios']['relay_over_gloo_tap_time']:.1f}x")
+    row("bytes moved per step, TapChannel / relay",
+        lambda r: f"{r['modes']['shm']['bytes_moved_per_step'] / 1e6:.2f} MB / "
+                  f"{r['modes']['relay']['bytes_moved_per_step'] / 1e6:.2f} MB")
+    for t in ("shm", "gloo"):
+        row(f"raw rate {t}, zero-copy read (MB/s)", lambda r, t=t: _num(r["raw_transfer"][t]["MB_per_s"]))
+        row(f"raw rate {t}, with copy-out (MB/s)", lambda r, t=t: _num(r["raw_transfer"][t]["MB_per_s_with_copy_out"]))
+    row("taps identical (shm, gloo, relay)", lambda r: str(r["taps_identical_shm_gloo_relay"]))
+    return "\n".join(lines)
 
 
 def plot(rows, path: Path):
@@ -349,41 +439,50 @@ def plot(rows, path: Path):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-    fig, ax = plt.subplots(1, 4, figsize=(18, 4.2))
+    fig, ax = plt.subplots(1, 4, figsize=(19, 4.4))
     pps = [r["pp"] for r in rows]
     xt = (range(len(pps)), [f"PP={p}" for p in pps])
     width = 0.2
     colors = {"none": "#999999", "shm": "#1f77b4", "gloo": "#2ca02c", "relay": "#d62728"}
 
+    def bars(a, xs, stats, scale, **kw):
+        med = [s["median"] * scale for s in stats]
+        err = [[m - s["min"] * scale for m, s in zip(med, stats)], [s["max"] * scale - m for m, s in zip(med, stats)]]
+        a.bar(xs, med, width, yerr=err, capsize=2, **kw)
+        return med
+
     def label(a, xs, vals, fmt):
         for x, v in zip(xs, vals):
-            a.annotate(fmt.format(v), (x, v), ha="center", va="bottom", fontsize=7)
+            a.annotate(fmt.format(v), (x, v), ha="center", va="bottom", fontsize=7, xytext=(0, 2),
+                       textcoords="offset points")
 
     for k, mode in enumerate(MODES):
         xs = [i + (k - 1.5) * width for i in range(len(pps))]
-        med = [r["modes"][mode]["step_s"] * 1e3 for r in rows]
-        lo = [med[i] - min(r["modes"][mode]["step_s_all"]) * 1e3 for i, r in enumerate(rows)]
-        hi = [max(r["modes"][mode]["step_s_all"]) * 1e3 - med[i] for i, r in enumerate(rows)]
-        ax[0].bar(xs, med, width, yerr=[lo, hi], capsize=2, label=mode, color=colors[mode])
+        bars(ax[0], xs, [r["modes"][mode]["step_ms"] for r in rows], 1, label=mode, color=colors[mode])
     ax[0].set_xticks(*xt)
-    ax[0].set_ylabel("ms (median, bars = min..max)")
+    ax[0].set_ylabel("ms (median, bars = min..max over rounds)")
     ax[0].set_title("training step (wall, slowest rank)")
     ax[0].legend(fontsize=8)
 
+    top = 2.0
     for k, mode in enumerate(("shm", "gloo", "relay")):
         xs = [i + (k - 1) * width for i in range(len(pps))]
-        key = "reader_wait_frac" if mode == "relay" else "reader_read_frac"
-        vals = [100 * r["modes"][mode][key] for r in rows]
-        ax[1].bar(xs, vals, width, label=f"{mode} ({'recv wait' if mode == 'relay' else 'wait + copy-out'})",
-                  color=colors[mode])
-        label(ax[1], xs, vals, "{:.2f}%")
+        tot = bars(ax[1], xs, [r["modes"][mode]["tap_frac_all_ranks"] for r in rows], 100, color=colors[mode],
+                   label=f"{mode}: all ranks' tap time")
+        rd = [100 * r["modes"][mode]["reader_frac"]["median"] for r in rows]
+        ax[1].bar(xs, rd, width * 0.5, color="white", alpha=0.55, hatch="///", edgecolor=colors[mode])
+        label(ax[1], xs, tot, "{:.2f}%")
+        top = max(top, *(100 * r["modes"][mode]["tap_frac_all_ranks"]["max"] for r in rows))
     ax[1].axhline(2.0, ls="--", c="k", lw=1, label="goal 2%")
-    ax[1].set_ylim(0, 1.45 * max(2.0, *(100 * r["modes"]["relay"]["reader_wait_frac"] for r in rows)))
+    handles, _ = ax[1].get_legend_handles_labels()
+    handles.append(Patch(facecolor="white", hatch="///", edgecolor="k", label="of which the last stage getting its taps"))
+    ax[1].set_ylim(0, 1.35 * top)
     ax[1].set_xticks(*xt)
-    ax[1].set_ylabel("% of the training step")
-    ax[1].set_title("last stage: time to get its taps")
-    ax[1].legend(fontsize=7)
+    ax[1].set_ylabel("% of the training step (median, min..max)")
+    ax[1].set_title("time in tap code: sources' writes + reader")
+    ax[1].legend(handles=handles, fontsize=7)
 
     for k, mode in enumerate(("shm", "relay")):
         xs = [i + (k - 0.5) * width for i in range(len(pps))]
@@ -400,20 +499,29 @@ def plot(rows, path: Path):
     for k, (t, key, hatch) in enumerate([("shm", "MB_per_s", None), ("shm", "MB_per_s_with_copy_out", "//"),
                                          ("gloo", "MB_per_s", None), ("gloo", "MB_per_s_with_copy_out", "//")]):
         xs = [i + (k - 1.5) * width for i in range(len(pps))]
-        vals = [r["raw_transfer"][t][key] for r in rows]
-        ax[3].bar(xs, vals, width, color=colors[t], hatch=hatch, edgecolor="white",
-                  label=f"{t}, {'zero-copy read' if hatch is None else 'read + copy-out'}")
+        vals = bars(ax[3], xs, [r["raw_transfer"][t][key] for r in rows], 1, color=colors[t], hatch=hatch,
+                    edgecolor="white", label=f"{t}, {'zero-copy read' if hatch is None else 'read + copy-out'}")
         label(ax[3], xs, vals, "{:.0f}")
-    ax[3].set_ylim(0, 1.45 * max(r["raw_transfer"][t]["MB_per_s"] for r in rows for t in ("shm", "gloo")))
+    ax[3].set_ylim(0, 1.45 * max(r["raw_transfer"][t]["MB_per_s"]["max"] for r in rows for t in ("shm", "gloo")))
     ax[3].set_xticks(*xt)
     ax[3].set_ylabel("MB/s (stage 0 -> last stage)")
     ax[3].set_title("raw transfer rate")
     ax[3].legend(fontsize=7)
     fig.suptitle("TapChannel vs stage-to-stage relay on CPU (tiny GPTModel, gloo pipeline, 1 thread per rank, "
-                 "shared 2-core machine)")
+                 "shared 2-core machine; arms interleaved per round)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+
+
+def write_outputs(result: dict, args) -> list[Path]:
+    """A PNG beside the JSON, plus the docs figure (``--png``; by default only for full runs)."""
+    pngs = [args.out.with_suffix(".png")]
+    if args.png is not None and args.png != pngs[0]:
+        pngs.append(args.png)
+    for p in pngs:
+        plot(result["results"], p)
+    return pngs
 
 
 def main():
@@ -425,24 +533,32 @@ def main():
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds")
+    p.add_argument("--steps", type=int, default=10, help="timed rounds (one step of every arm each)")
     p.add_argument("--raw-tokens", type=int, default=2048)
     p.add_argument("--raw-width", type=int, default=1024)
     p.add_argument("--raw-iters", type=int, default=16)
-    p.add_argument("--raw-rounds", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="fewer and smaller steps")
+    p.add_argument("--raw-rounds", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="fewer and smaller steps (smoke test)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
-    p.add_argument("--plot-only", action="store_true", help="redraw the PNG from the existing JSON")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tapchannel.json")
-    p.add_argument("--png", type=Path, default=ROOT / "docs" / "img" / "tapchannel.png")
+    p.add_argument("--plot-only", action="store_true", help="redraw the PNGs and reprint the tables from the JSON")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON (a PNG is written beside it); default bench/results/tapchannel.json "
+                        "(tapchannel-quick.json with --quick)")
+    p.add_argument("--png", type=Path, default=None,
+                   help="another copy of the figure; default docs/img/tapchannel.png, none with --quick")
     args = p.parse_args()
+    if args.out is None:
+        args.out = ROOT / "bench" / "results" / f"tapchannel{'-quick' if args.quick else ''}.json"
+    if args.png is None and not args.quick:
+        args.png = ROOT / "docs" / "img" / "tapchannel.png"
     if args.quick:
         args.steps, args.seq, args.microbatches, args.raw_iters, args.raw_rounds = 2, 64, 4, 6, 1
 
     if args.plot_only:
-        plot(json.loads(args.out.read_text())["results"], args.png)
-        print(f"wrote {args.png}")
+        result = json.loads(args.out.read_text())
+        print(markdown(result))
+        print("wrote " + ", ".join(map(str, write_outputs(result, args))))
         return
 
     from tqdm import tqdm
@@ -453,25 +569,19 @@ def main():
     state = spawn_local(reference_state, 1, args, timeout_s=300)[0]
     rows = []
     for pp in tqdm(args.pp, desc="PP degrees", disable=not args.progress):
-        ranks = spawn_local(bench_rank, pp, args, state, timeout_s=900)
+        ranks = spawn_local(bench_rank, pp, args, state, timeout_s=1800)
         rows.append(summarize(pp, ranks, args))
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    config["command"] = " ".join(["python", "bench/tapchannel.py", *sys.argv[1:]])
     config["threads_per_rank"] = 1
     config["wall_s"] = time.time() - t_start
+    config["date"] = time.strftime("%Y-%m-%d")
+    result = {"config": config, "results": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"config": config, "results": rows}, indent=1))
-    plot(rows, args.png)
-    for r in rows:
-        m = r["modes"]
-        print(f"PP={r['pp']}: step none {m['none']['step_s']*1e3:.1f} ms | "
-              + " | ".join(f"{k} {m[k]['step_s']*1e3:.1f} ms (+{100*m[k]['overhead_vs_none']:.1f}%), "
-                           f"wait {100*m[k]['reader_wait_frac']:.2f}%"
-                           + (f" (read {100*m[k]['reader_read_frac']:.2f}%)" if k != "relay" else "")
-                           for k in ("shm", "gloo", "relay")))
-        print(f"      bytes/step tap {m['shm']['bytes_moved_per_step']/1e6:.2f} MB, relay {m['relay']['bytes_moved_per_step']/1e6:.2f} MB;"
-              f" raw shm {r['raw_transfer']['shm']['MB_per_s']:.0f} MB/s, gloo {r['raw_transfer']['gloo']['MB_per_s']:.0f} MB/s;"
-              f" ratios {json.dumps({k: round(v, 3) for k, v in r['ratios'].items()})}; identical {r['taps_identical_shm_gloo_relay']}")
-    print(f"wrote {args.out} and {args.png} in {time.time() - t_start:.0f}s")
+    args.out.write_text(json.dumps(result, indent=1))
+    pngs = write_outputs(result, args)
+    print(markdown(result))
+    print(f"wrote {args.out}, " + ", ".join(map(str, pngs)) + f" in {time.time() - t_start:.0f}s")
 
 
 if __name__ == "__main__":

@@ -219,7 +219,7 @@ def _faults(rank, transport):
     # 2. a source whose step numbering is ahead of the reader's: lapped on both sides, promptly, whatever
     #    the ring size (with 2 slots the writer's seq 2 needs slot 0, which the reader will never release)
     for slots in (2, 4):
-        ch = _channel(transport, name=f"{transport}-lapped{slots}", slots=slots, timeout_s=5)
+        ch = _channel(transport, name=f"{transport}-lapped{slots}", slots=slots, timeout_s=3)
         t0 = time.monotonic()
         got = {"type": "no error"}
         try:
