@@ -115,6 +115,13 @@ def resolve_draft_init(cfg) -> str | None:
 
 
 def init_ray(cfg) -> None:
+    """Join the configured Ray cluster, or start a local one that dies with this process.
+
+    A local cluster's processes are this driver's descendants. Ray's own fate sharing leaves two of
+    them behind when the driver is SIGKILLed (the dashboard and runtime-env agents outlive their
+    raylet, measured 45 s and more), so a small reaper process (:func:`start_reaper`) kills what is
+    left of them once the driver is gone. SIGTERM (``kill``, ``ray job stop``) raises SystemExit in
+    the driver, so its ``finally`` blocks (worker shutdown) and ``ray.shutdown`` run."""
     import ray
 
     if ray.is_initialized():
@@ -125,8 +132,73 @@ def init_ray(cfg) -> None:
     if address in (None, "local"):
         ray.init(address="local", num_cpus=cfg.cluster.cpus_per_node, num_gpus=cfg.cluster.gpus_per_node or None,
                  include_dashboard=False, log_to_driver=False)
+        start_reaper()
     else:
         ray.init(address=address, log_to_driver=False)
+    exit_on_sigterm()
+
+
+_REAPER_SOURCE = r"""
+import os, sys, time
+import psutil
+driver, grace = psutil.Process(int(sys.argv[1])), float(sys.argv[2])
+known = {}
+while True:
+    try:
+        if driver.status() == psutil.STATUS_ZOMBIE:
+            break
+        for p in driver.children(recursive=True):
+            known.setdefault(p.pid, p)
+    except psutil.Error:  # gone (is_running/status compare the creation time: no pid reuse)
+        break
+    time.sleep(1.0)
+time.sleep(grace)  # Ray's own fate sharing goes first
+left = [p for p in known.values() if p.pid != os.getpid() and p.is_running()]
+for p in left:
+    try:
+        p.terminate()
+    except psutil.Error:
+        pass
+_, left = psutil.wait_procs(left, timeout=5)
+for p in left:
+    try:
+        p.kill()
+    except psutil.Error:
+        pass
+"""
+_reaper = None
+
+
+def start_reaper(grace_s: float = 2.0):
+    """Start (once per process) a detached watcher of this process: it records this process's
+    descendants every second and, once this process has exited - normally or killed - gives them
+    ``grace_s`` to exit and then terminates (after 5 s kills) those still running. Only processes
+    it saw as descendants are touched (psutil checks creation times, so no reused pid)."""
+    global _reaper
+    import subprocess
+    import sys
+
+    if _reaper is None or _reaper.poll() is not None:
+        _reaper = subprocess.Popen([sys.executable, "-c", _REAPER_SOURCE, str(os.getpid()), str(grace_s)],
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   start_new_session=True)
+    return _reaper
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM -> SystemExit(143) in the main thread (Ray's handler would end the process without
+    running ``finally`` blocks); a second SIGTERM kills outright."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 @contextmanager
