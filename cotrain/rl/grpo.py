@@ -9,9 +9,9 @@ std(r) the (unbiased) standard deviation of all G rewards of the group, for eith
 divides a leave-one-out advantage by the std of the other G-1 rewards instead, skipping the division
 when that is 0. We keep one scale per group: r_i - mean_{-i}(r) = G/(G-1) (r_i - mean(r)), so with
 the group's std the leave-one-out advantages are exactly G/(G-1) times the mean-baseline ones, still
-sum to 0 over the group and keep their order; a per-sample std would give the lone correct answer
-among wrong ones (its others all equal: std 0, not divided) a smaller advantage than the wrong
-answers' penalties, and the group's advantages would no longer sum to 0.)
+sum to 0 over the group and keep their order; a per-sample std gives the lone correct answer among
+wrong ones (its others all equal: std 0, not divided) +1 against 3 x -0.71 for the wrong ones at
+G=4 - the group's advantages no longer sum to 0.)
 
 Every response token t of response i gets A_i. With the ratio rho_t = exp(clamp(logp_t - logp_old_t,
 -log_ratio_clamp, log_ratio_clamp)), the token loss is the clipped surrogate plus an optional KL

@@ -2,7 +2,21 @@
 TensorBoard (default), and optionally Weights & Biases and MLflow.
 
 Metric names are ``group/name`` (``reward/mean``, ``kl/train_infer``, ``spec/acceptance_length``,
-``time/rollout``...), the same in every sink.
+``time/rollout``...), the same in every sink. What the less obvious ones measure:
+
+- ``kl/ref``: k3 estimate of KL(policy || reference) on the step's response tokens, measured in
+  the update's forward pass, i.e. on the weights *before* this step's optimizer step: at step k it
+  is KL(pi_{k-1} || pi_ref) on rollouts pi_{k-1} sampled. Step 1 is exactly 0 (pi_0 is the
+  reference); what step k's update did shows at step k+1. Unclamped (grpo.kl_clamp caps only the
+  penalty).
+- ``kl/train_infer``: k3 estimate of KL(engine || trainer) on the same weights, float64, >= 0;
+  ``kl/train_infer_max_abs_diff``: the largest per-token log-prob difference.
+- ``reward/format_error``: fraction of responses without a well-formed answer
+  (cotrain.tasks.rewards.grade), scored reward.format_error.
+- ``eval/accuracy``: exact-match accuracy on the held-out prompts (never training prompts).
+
+A crash can cut the last line of metrics.jsonl short; reading it (resume, plots) skips such a line
+with a warning naming file and line.
 """
 
 from __future__ import annotations

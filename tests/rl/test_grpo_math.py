@@ -125,7 +125,7 @@ def test_leave_one_out_uses_the_groups_std_hand_example():
     """One correct answer among 4: LOO baselines [0, 1/3, 1/3, 1/3], raw advantages [1, -1/3, -1/3, -1/3];
     the group's unbiased std of [1, 0, 0, 0] is 1/2, so A = [2, -2/3, -2/3, -2/3]: G/(G-1) = 4/3 times
     the mean-baseline advantages, summing to 0 (NeMo-RL's per-sample std of the other G-1 would give
-    [1, -0.577, -0.577, -0.577], which does not)."""
+    (population std sqrt(2/9) for the wrong ones) [1, -0.707, -0.707, -0.707], which does not)."""
     r = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
     loo = group_advantages(r, "leave_one_out", normalize_std=True, eps=0.0)
     torch.testing.assert_close(loo, torch.tensor([[2.0, -2 / 3, -2 / 3, -2 / 3]]))
