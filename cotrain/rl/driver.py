@@ -120,8 +120,9 @@ def init_ray(cfg) -> None:
     A local cluster's processes are this driver's descendants. Ray's own fate sharing leaves two of
     them behind when the driver is SIGKILLed (the dashboard and runtime-env agents outlive their
     raylet, measured 45 s and more), so a small reaper process (:func:`start_reaper`) kills what is
-    left of them once the driver is gone. SIGTERM (``kill``, ``ray job stop``) raises SystemExit in
-    the driver, so its ``finally`` blocks (worker shutdown) and ``ray.shutdown`` run."""
+    left of them once the driver is gone. SIGTERM (``kill``, ``ray job stop``) raises SystemExit(143)
+    in the driver (:func:`exit_on_sigterm`): ``finally`` blocks (worker shutdown) and ``ray.shutdown``
+    run and the process exits 143, where Ray's own handlers print a C++ stack and end it with SIGABRT."""
     import ray
 
     if ray.is_initialized():
@@ -186,8 +187,8 @@ def start_reaper(grace_s: float = 2.0):
 
 
 def exit_on_sigterm() -> None:
-    """SIGTERM -> SystemExit(143) in the main thread (Ray's handler would end the process without
-    running ``finally`` blocks); a second SIGTERM kills outright."""
+    """SIGTERM -> SystemExit(143) in the main thread, installed after ``ray.init`` (whose handlers
+    would dump a C++ stack and abort the process); a second SIGTERM kills outright."""
     import signal
     import threading
 
