@@ -35,7 +35,17 @@ import torch
 import torch.distributed as dist
 
 from cotrain.parallel.blockdiag import BlockDiagonal, compute_dtype
-from cotrain.parallel.kernels import CAUSAL, FULL, MASKED, BlockKernel, BlockMask, Tile, default_kernel
+from cotrain.parallel.kernels import (
+    CAUSAL,
+    DEFAULT_TILE_COST_PAIRS,
+    FULL,
+    MASKED,
+    REPEAT_CAUSAL,
+    BlockKernel,
+    BlockMask,
+    Tile,
+    default_kernel,
+)
 from cotrain.parallel.layout import BranchLayout
 from cotrain.parallel.lse import merge_lse_
 from cotrain.parallel.ring import RingComm, group_rank_and_size
@@ -67,6 +77,7 @@ class _QueryRun:
     lo_min: int
     lo_max: int
     piece: Optional[tuple[int, int]] = None  # main queries: positions [start, stop); None for branches
+    branches: tuple = ()  # branch groups: (row0, row1, lo, hi) per branch; its tokens see trunk positions [lo, hi]
 
 
 @dataclass
@@ -110,7 +121,7 @@ def _coalesce(tiles: list[Tile], max_tile: int) -> list[Tile]:
         out: list[Tile] = []
         for t in sorted(tiles, key=key):
             last = out[-1] if out else None
-            if last is not None and last.kind == t.kind and t.kind != CAUSAL:
+            if last is not None and last.kind == t.kind and t.kind in (FULL, MASKED):
                 if along_keys and (last.q0, last.q1, last.k1) == (t.q0, t.q1, t.k0) and t.k1 - last.k0 <= max_tile:
                     out[-1] = Tile(t.q0, t.q1, last.k0, t.k1, t.kind)
                     continue
@@ -123,6 +134,67 @@ def _coalesce(tiles: list[Tile], max_tile: int) -> list[Tile]:
     return sorted(merge(merge(tiles, True), False), key=lambda t: (t.q0, t.k0))
 
 
+def _branch_tiles(qr: _QueryRun, kr: _KeyRun, window: Optional[int], tile_cost: int) -> list[Tile]:
+    """Tiles of a branch group against a key run that some of its branches see only in part.
+
+    Every token of branch b sees the same trunk keys, [lo_b, hi_b] (its context, window included),
+    so its part of the run is one interval, and no tile needs a pair it cannot see:
+    - a staircase, i.e. consecutive branches of equal length W whose hi step up by one inside the
+      run (EAGLE-3 TTT chains; DFlash blocks at every position), without a window: keys
+      [p0, hi_first) full and [hi_first, hi_last] repeat_causal with rep = W (two tiles in all);
+    - any other branch that sees part of the run: a full tile of exactly that part;
+    - branches that see all of the run share full tiles.
+    Where separate tiles would save no more than `tile_cost` pairs (the kernel's price of one more
+    tile, BlockKernel.tile_cost_pairs), the branches share a masked tile instead.
+    """
+    m = kr.p1 - kr.p0
+    tiles: list[Tile] = []
+    shared: list[list] = []  # [row0, row1, every branch sees the whole run]
+    stair: list[tuple[int, int, int]] = []  # (row0, row1, hi) of the staircase being collected
+
+    def share(r0, r1, whole):
+        if shared and shared[-1][1] == r0:
+            shared[-1][1], shared[-1][2] = r1, shared[-1][2] and whole
+        else:
+            shared.append([r0, r1, whole])
+
+    def alone(r0, r1, a, b):
+        if (r1 - r0) * (m - (b - a)) > tile_cost:
+            tiles.append(Tile(r0, r1, kr.k0 + a - kr.p0, kr.k0 + b - kr.p0, FULL))
+        else:
+            share(r0, r1, False)
+
+    def flush():
+        if len(stair) > 1:
+            (r0, _, h0), (_, r1, h1) = stair[0], stair[-1]
+            if (r1 - r0) * m - (stair[0][1] - r0) * sum(h + 1 - kr.p0 for _, _, h in stair) > tile_cost:
+                if h0 > kr.p0:
+                    tiles.append(Tile(r0, r1, kr.k0, kr.k0 + h0 - kr.p0, FULL))
+                tiles.append(Tile(r0, r1, kr.k0 + h0 - kr.p0, kr.k0 + h1 + 1 - kr.p0, REPEAT_CAUSAL, stair[0][1] - r0))
+            else:
+                share(r0, r1, False)
+        elif stair:
+            r0, r1, h = stair[0]
+            alone(r0, r1, kr.p0, h + 1)
+        stair.clear()
+
+    for r0, r1, lo, hi in qr.branches:
+        a, b = max(lo, kr.p0), min(hi + 1, kr.p1)
+        if b <= a or b - a == m:
+            flush()
+            if b - a == m:
+                share(r0, r1, True)
+        elif window is not None:
+            alone(r0, r1, a, b)
+        elif stair and stair[-1][1] == r0 and r1 - r0 == stair[-1][1] - stair[-1][0] and hi == stair[-1][2] + 1:
+            stair.append((r0, r1, hi))
+        else:
+            flush()
+            stair.append((r0, r1, hi))
+    flush()
+    return tiles + [Tile(r0, r1, kr.k0, kr.k1, FULL if whole else MASKED) for r0, r1, whole in shared]
+
+
 def _key_runs(layout: BranchLayout, rank: int, max_tile: int) -> list[_KeyRun]:
     runs = []
     for r in layout.zigzag_runs(rank):
@@ -132,7 +204,7 @@ def _key_runs(layout: BranchLayout, rank: int, max_tile: int) -> list[_KeyRun]:
     return runs
 
 
-def _build_plan(layout: BranchLayout, rank: int, device: torch.device, max_tile: int) -> RingPlan:
+def _build_plan(layout: BranchLayout, rank: int, device: torch.device, max_tile: int, tile_cost: int) -> RingPlan:
     C, w = layout.cp_size, layout.window
     T = layout.local_len
 
@@ -171,8 +243,9 @@ def _build_plan(layout: BranchLayout, rank: int, device: torch.device, max_tile:
         ):
             if i > start:
                 his, los = b_last[start:i], b_lo[offs[start] : offs[i]]
+                members = tuple((T + offs[b], T + offs[b + 1], int(b_lo[offs[b]]), int(b_last[b])) for b in range(start, i))
                 qruns.append(_QueryRun(group_key[start][0], T + offs[start], T + offs[i], int(his.min()),
-                                       int(his.max()), int(los.min()), int(los.max())))
+                                       int(his.max()), int(los.min()), int(los.max()), None, members))
             start = i
 
     q_seg = torch.cat([seg, b_seg])
@@ -200,6 +273,9 @@ def _build_plan(layout: BranchLayout, rank: int, device: torch.device, max_tile:
                     kind = FULL
                 elif src == rank and qr.piece == (kr.p0, kr.p1):
                     kind = CAUSAL
+                elif qr.branches:
+                    tiles += _branch_tiles(qr, kr, w, tile_cost)
+                    continue
                 else:
                     kind = MASKED
                 tiles.append(Tile(qr.q0, qr.q1, kr.k0, kr.k1, kind))
@@ -221,13 +297,16 @@ def _build_plan(layout: BranchLayout, rank: int, device: torch.device, max_tile:
     return RingPlan(C, rank, T, NBt, ring_masks, intra_mask, intra_blocks)
 
 
-def ring_plan(layout: BranchLayout, rank: int, device: torch.device | str = "cpu", max_tile: int = DEFAULT_MAX_TILE) -> RingPlan:
-    """The (cached) plan of rank `rank` for `layout`."""
+def ring_plan(
+    layout: BranchLayout, rank: int, device: torch.device | str = "cpu", max_tile: int = DEFAULT_MAX_TILE,
+    tile_cost_pairs: int = DEFAULT_TILE_COST_PAIRS,
+) -> RingPlan:
+    """The (cached) plan of rank `rank` for `layout`; tile_cost_pairs: see _branch_tiles (0: every tile exact)."""
     device = torch.device(device)
-    key = ("plan", rank, str(device), max_tile)
+    key = ("plan", rank, str(device), max_tile, tile_cost_pairs)
     if key not in layout._cache:
         layout._check_rank(rank)
-        layout._cache[key] = _build_plan(layout, rank, device, max_tile)
+        layout._cache[key] = _build_plan(layout, rank, device, max_tile, tile_cost_pairs)
     return layout._cache[key]
 
 
@@ -410,7 +489,7 @@ def cp_branch_attention(
     for name, t in (("k", k), ("v", v), ("bq", bq), ("bk", bk), ("bv", bv)):
         if t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"{name} is {t.dtype} on {t.device}; q is {q.dtype} on {q.device} (all must match)")
-    plan = ring_plan(layout, rank, q.device, max_tile)
-    scale = D**-0.5 if softmax_scale is None else float(softmax_scale)
     kernel = default_kernel(q.device) if kernel is None else kernel
+    plan = ring_plan(layout, rank, q.device, max_tile, getattr(kernel, "tile_cost_pairs", DEFAULT_TILE_COST_PAIRS))
+    scale = D**-0.5 if softmax_scale is None else float(softmax_scale)
     return _CPBranchAttention.apply(q, k, v, bq, bk, bv, plan, group, kernel, scale, stats, grad_comm_dtype)

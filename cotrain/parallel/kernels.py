@@ -8,8 +8,10 @@ an interval rule on integer metadata:
 
 and it is only evaluated inside the listed tiles (contiguous query rows x contiguous key rows);
 pairs outside every tile are masked. A tile is "full" (every pair visible), "causal" (a diagonal
-tile: the same positions on both sides, q_hi = position, q_lo = position - window + 1) or
-"masked" (the rule decides pair by pair). Rows that see nothing get out = 0 and lse = -inf.
+tile: the same positions on both sides, q_hi = position, q_lo = position - window + 1),
+"repeat_causal" (a diagonal tile whose queries come `rep` rows per key: rows q0 + i*rep ..
+q0 + (i+1)*rep - 1 see keys k0 .. k0 + i; a run of consecutive branches of equal length rep, no
+window) or "masked" (the rule decides pair by pair). Rows that see nothing get out = 0 and lse = -inf.
 
 Forward, per tile (fp32; fp64 for fp64 inputs):  S = scale q k^T (masked to -inf), lse = logsumexp_j S, out = exp(S - lse) v,
 and tiles that share query rows are merged by cotrain.parallel.lse. Backward, given the final
@@ -41,7 +43,12 @@ from cotrain.parallel import blockdiag
 from cotrain.parallel.blockdiag import BlockDiagonal, compute_dtype
 from cotrain.parallel.lse import merge_lse_
 
-FULL, CAUSAL, MASKED = "full", "causal", "masked"
+FULL, CAUSAL, MASKED, REPEAT_CAUSAL = "full", "causal", "masked", "repeat_causal"
+# What one more tile costs a kernel, in query-key pairs: the plan gives branches exact tiles of their
+# own only where that saves more pairs than this (0: always, every tile exact). On CPU one more fused
+# tile (fwd + bwd) costs about as much as 2,500 more pairs in a tile of 16 rows (measured with
+# CpuFusedBlockKernel, one thread), hence 2048; 0 where tiles are batched into one call (varlen).
+DEFAULT_TILE_COST_PAIRS = 2048
 
 
 @dataclass(frozen=True)
@@ -53,10 +60,21 @@ class Tile:
     k0: int
     k1: int
     kind: str = MASKED
+    rep: int = 1  # query rows per key of a repeat_causal tile
 
     @property
     def pairs(self) -> int:
         return (self.q1 - self.q0) * (self.k1 - self.k0)
+
+    @property
+    def pairs_computed(self) -> int:
+        """Pairs a kernel that knows the tile kind computes: the lower triangle of (repeat-)causal tiles."""
+        n = self.k1 - self.k0
+        if self.kind == CAUSAL:
+            return n * (n + 1) // 2
+        if self.kind == REPEAT_CAUSAL:
+            return self.rep * n * (n + 1) // 2
+        return self.pairs
 
 
 @dataclass
@@ -84,10 +102,10 @@ class BlockMask:
 
     def pairs_computed(self) -> int:
         """Query-key pairs the tiles hand to the kernel: every pair of a full or masked tile, the lower
-        triangle n(n+1)/2 of a causal tile (what a causal kernel computes; the fused CPU op and
+        triangle of a (repeat-)causal tile (what a causal kernel computes; the fused CPU op and
         flash-attn skip the upper triangle at their block granularity, the reference
         TorchBlockKernel computes and masks it)."""
-        return sum(t.pairs if t.kind != CAUSAL else (t.q1 - t.q0) * (t.q1 - t.q0 + 1) // 2 for t in self.tiles)
+        return sum(t.pairs_computed for t in self.tiles)
 
     def pairs_allowed(self) -> int:
         """Query-key pairs the rule makes visible."""
@@ -132,6 +150,8 @@ def _finite_or_zero(lse: torch.Tensor) -> torch.Tensor:
 
 class TorchBlockKernel:
     """Dense attention per tile in plain torch (CPU or GPU), in fp32 (fp64 for fp64 inputs)."""
+
+    tile_cost_pairs = DEFAULT_TILE_COST_PAIRS
 
     def _scores(self, q, k, mask: BlockMask, tile: Tile, scale: float):
         hk, ctype = k.shape[1], compute_dtype(q.dtype)
@@ -190,9 +210,12 @@ class TorchBlockKernel:
 
 
 class _FusedTileKernel:
-    """Dispatch shared by the fused kernels: full and causal tiles go to a fused attention op that
-    returns (out, lse) and whose backward takes the rows' final (out, lse); "masked" tiles, inputs the
-    op cannot take, and LSE gradients (the fused backward has no dlse input) go to TorchBlockKernel."""
+    """Dispatch shared by the fused kernels: the tile kinds in FUSED_KINDS go to a fused attention op
+    that returns (out, lse) and whose backward takes the rows' final (out, lse); other tiles, inputs
+    the op cannot take, and LSE gradients (the fused backward has no dlse input) go to TorchBlockKernel."""
+
+    FUSED_KINDS: tuple[str, ...] = (FULL, CAUSAL)
+    tile_cost_pairs = DEFAULT_TILE_COST_PAIRS
 
     def __init__(self) -> None:
         self._torch = TorchBlockKernel()
@@ -206,10 +229,9 @@ class _FusedTileKernel:
     def _fused_backward(self, dout, q, k, v, out, lse, mask: BlockMask, tiles: list[Tile], scale: float, dq, dk, dv) -> None:
         raise NotImplementedError
 
-    @staticmethod
-    def _split(mask: BlockMask) -> tuple[list[Tile], BlockMask]:
-        fused = [t for t in mask.tiles if t.kind in (FULL, CAUSAL)]
-        rest = [t for t in mask.tiles if t.kind not in (FULL, CAUSAL)]
+    def _split(self, mask: BlockMask) -> tuple[list[Tile], BlockMask]:
+        fused = [t for t in mask.tiles if t.kind in self.FUSED_KINDS]
+        rest = [t for t in mask.tiles if t.kind not in self.FUSED_KINDS]
         return fused, BlockMask(rest, mask.q_seg, mask.q_lo, mask.q_hi, mask.k_seg, mask.k_pos, mask.window)
 
     def forward(self, q, k, v, mask: BlockMask, scale: float):
@@ -246,8 +268,11 @@ def _window_bias(n: int, window: int, dtype: torch.dtype, device) -> torch.Tenso
 
 class CpuFusedBlockKernel(_FusedTileKernel):
     """torch's fused CPU flash-attention op (the one behind scaled_dot_product_attention on CPU),
-    which also returns the LSE, for full and causal tiles; TorchBlockKernel for the rest."""
+    which also returns the LSE, for full, causal and repeat_causal tiles (the latter as a batch of
+    `rep` causal attentions sharing the keys: batch j holds rows q0 + i*rep + j); TorchBlockKernel
+    for the rest."""
 
+    FUSED_KINDS = (FULL, CAUSAL, REPEAT_CAUSAL)
     _fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     _bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
@@ -255,11 +280,27 @@ class CpuFusedBlockKernel(_FusedTileKernel):
         return self._fwd is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
 
     @staticmethod
-    def _bhsd(x: torch.Tensor, groups: int = 1) -> torch.Tensor:
-        """(n, heads, D) -> (1, heads * groups, n, D), K/V heads repeated for grouped-query attention."""
+    def _rows_in(x: torch.Tensor, t: Tile, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Query-side rows (n*rep, heads, ...) of tile t -> (rep, heads, n, ...) (rep = 1 unless repeat_causal)."""
+        rows = x[t.q0 : t.q1] if dtype is None else x[t.q0 : t.q1].to(dtype)
+        rep = t.rep if t.kind == REPEAT_CAUSAL else 1
+        rows = rows.reshape(rows.shape[0] // rep, rep, *rows.shape[1:])
+        return rows.permute(1, 2, 0, *range(3, rows.dim()))
+
+    @staticmethod
+    def _rows_out(x: torch.Tensor) -> torch.Tensor:
+        """The inverse of _rows_in: (rep, heads, n, ...) -> (n*rep, heads, ...)."""
+        x = x.permute(2, 0, 1, *range(3, x.dim()))
+        return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+    @staticmethod
+    def _keys(x: torch.Tensor, t: Tile, groups: int) -> torch.Tensor:
+        """Key rows of tile t -> (rep, heads * groups, m, D), K/V heads repeated for grouped-query attention."""
+        x = x[t.k0 : t.k1]
         if groups > 1:
             x = x.repeat_interleave(groups, dim=1)
-        return x.transpose(0, 1).unsqueeze(0)
+        x = x.transpose(0, 1).unsqueeze(0)
+        return x.expand(t.rep, *x.shape[1:]) if t.kind == REPEAT_CAUSAL else x
 
     def _bias(self, tile: Tile, mask: BlockMask, dtype) -> Optional[torch.Tensor]:
         if tile.kind == CAUSAL and mask.window is not None:
@@ -271,11 +312,11 @@ class CpuFusedBlockKernel(_FusedTileKernel):
         for t in tiles:
             bias = self._bias(t, mask, q.dtype)
             o, l = self._fwd(
-                self._bhsd(q[t.q0 : t.q1]), self._bhsd(k[t.k0 : t.k1], g), self._bhsd(v[t.k0 : t.k1], g),
-                0.0, t.kind == CAUSAL and bias is None, attn_mask=bias, scale=scale,
+                self._rows_in(q, t), self._keys(k, t, g), self._keys(v, t, g),
+                0.0, t.kind != FULL and bias is None, attn_mask=bias, scale=scale,
             )
             rows = slice(t.q0, t.q1)
-            merge_lse_(out[rows], lse[rows], o[0].transpose(0, 1).float(), l[0].transpose(0, 1).float())
+            merge_lse_(out[rows], lse[rows], self._rows_out(o).float(), self._rows_out(l).float())
 
     def _fused_backward(self, dout, q, k, v, out, lse, mask, tiles, scale, dq, dk, dv):
         hk = k.shape[1]
@@ -284,23 +325,26 @@ class CpuFusedBlockKernel(_FusedTileKernel):
             rows, cols = slice(t.q0, t.q1), slice(t.k0, t.k1)
             bias = self._bias(t, mask, q.dtype)
             gq, gk, gv = self._bwd(
-                self._bhsd(dout[rows].to(q.dtype)), self._bhsd(q[rows]), self._bhsd(k[cols], g), self._bhsd(v[cols], g),
-                self._bhsd(out[rows].to(q.dtype)), lse[rows].transpose(0, 1).unsqueeze(0).contiguous(),
-                0.0, t.kind == CAUSAL and bias is None, attn_mask=bias, scale=scale,
+                self._rows_in(dout, t, q.dtype), self._rows_in(q, t), self._keys(k, t, g), self._keys(v, t, g),
+                self._rows_in(out, t, q.dtype), self._rows_in(lse, t).contiguous(),
+                0.0, t.kind != FULL and bias is None, attn_mask=bias, scale=scale,
             )
             m = t.k1 - t.k0
-            dq[rows] += gq[0].transpose(0, 1).float()
-            dk[cols] += gk[0].reshape(hk, g, m, -1).sum(1).transpose(0, 1).float()
-            dv[cols] += gv[0].reshape(hk, g, m, -1).sum(1).transpose(0, 1).float()
+            dq[rows] += self._rows_out(gq).float()
+            dk[cols] += gk.sum(0).reshape(hk, g, m, -1).sum(1).transpose(0, 1).float()
+            dv[cols] += gv.sum(0).reshape(hk, g, m, -1).sum(1).transpose(0, 1).float()
 
 
 class FlashVarlenBlockKernel(_FusedTileKernel):
     """flash-attn's varlen kernel (CUDA, fp16/bf16) for full and causal tiles; torch for the rest.
 
     Every eligible tile becomes one varlen "sequence" (its query rows and key rows gathered), so one
-    flash call per tile kind covers a whole block.
+    flash call per tile kind covers a whole block, and exact per-branch tiles cost nothing extra
+    (tile_cost_pairs = 0). repeat_causal tiles go to the torch kernel.
     NOTE: written against flash-attn 2.x's varlen interface; not exercised in CPU-only CI.
     """
+
+    tile_cost_pairs = 0
 
     def __init__(self) -> None:
         from flash_attn import flash_attn_varlen_func  # noqa: F401  (fails early if absent)

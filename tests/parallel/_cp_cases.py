@@ -19,6 +19,7 @@ from cotrain.parallel import (
     TorchBlockKernel,
     cp_branch_attention,
     cu_seqlens_from_lengths,
+    default_kernel,
     dense_branch_attention,
     dflash_layout,
     dspark_layout,
@@ -42,7 +43,8 @@ class Case:
     seqlens: tuple[int, ...] = tuple(UNEVEN)
     seed: int = 0
     lse_grad: bool = True  # False: the loss ignores the LSEs, so the fused kernels run the backward too
-    kernel: str = "default"  # or "torch": the plain TorchBlockKernel for every tile
+    kernel: str = "default"  # "torch": the plain TorchBlockKernel for every tile; "exact", "exact_torch":
+    # the default / torch kernel with tile_cost_pairs = 0, so the plan gives every branch exact tiles
     grad_comm: Optional[str] = None  # grad_comm_dtype of cp_branch_attention (None: the accumulation dtype)
 
 
@@ -65,6 +67,13 @@ CASES = [
     # The same inputs as bf16_dflash / dflash, with dK/dV sent around the ring in bf16.
     Case("bf16_dflash_bf16_grad_comm", "dflash", dtype="bfloat16", seed=1, grad_comm="bfloat16"),
     Case("dflash_bf16_grad_comm", "dflash", grad_comm="bfloat16"),
+    # Exact tiles everywhere: per-branch full tiles and repeat_causal staircases (fused and torch paths).
+    Case("eagle3_all_exact", "eagle3_all", kernel="exact", lse_grad=False, seed=8),
+    Case("eagle3_all_exact_lse", "eagle3_all", kernel="exact", max_tile=8, seed=9),
+    Case("eagle3_exact_torch", "eagle3", kernel="exact_torch", seed=10),
+    Case("dflash_all_exact", "dflash_all", kernel="exact", lse_grad=False, seed=11),
+    Case("dflash_exact_window", "dflash", kernel="exact", window=5, lse_grad=False, seed=12),
+    Case("bf16_eagle3_all_exact", "eagle3_all", kernel="exact", dtype="bfloat16", lse_grad=False, seed=13),
     # fp64 end to end: the oracle's own precision.
     Case("fp64_dflash_window", "dflash", window=6, dtype="float64", seed=2),
     Case("fp64_eagle3_tiles", "eagle3", dtype="float64", max_tile=5, seed=7),
@@ -84,8 +93,12 @@ def make_layout(case: Case, cp_size: int) -> BranchLayout:
         pick = torch.randperm(T, generator=g)[: T // 2]
         positions = torch.unique(torch.cat([pick, cu[:-1]]))
         return eagle3_ttt_layout(cu, 3, positions=positions, window=case.window, cp_size=cp_size)
+    if case.family == "eagle3_all":  # a chain at every position: staircases of consecutive anchors
+        return eagle3_ttt_layout(cu, 4, window=case.window, cp_size=cp_size)
     if case.family == "dflash":
         return dflash_layout(cu, sample_anchors(cu, 3, g), 4, window=case.window, cp_size=cp_size)
+    if case.family == "dflash_all":  # a block at every position (the drafters' acceptance estimate)
+        return dflash_layout(cu, torch.arange(int(cu[-1])), 3, window=case.window, cp_size=cp_size)
     if case.family == "dspark":
         # Include anchors at sequence starts: an exclusive block there sees no context at all.
         anchors = torch.unique(torch.cat([sample_anchors(cu, 2, g), cu[:-1]]))
@@ -155,7 +168,9 @@ def run_case(case: Case, rank: int, cp_size: int, group=None) -> dict:
     local += [shard_branches(t, layout, rank).to(dtype) for t in (bq, bk, bv)]
     local = [t.requires_grad_() for t in local]
     stats = CPStats()
-    kernel = TorchBlockKernel() if case.kernel == "torch" else None
+    kernel = {"default": None, "torch": TorchBlockKernel(), "exact": default_kernel(), "exact_torch": TorchBlockKernel()}[case.kernel]
+    if case.kernel.startswith("exact"):
+        kernel.tile_cost_pairs = 0
     grad_comm = getattr(torch, case.grad_comm) if case.grad_comm else None
     out = cp_branch_attention(*local, layout, group, stats=stats, max_tile=case.max_tile, kernel=kernel,
                               grad_comm_dtype=grad_comm)

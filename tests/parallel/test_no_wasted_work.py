@@ -1,7 +1,12 @@
-"""Branch-local attention is block-diagonal: no pair outside a branch's own block is computed.
+"""No wasted work: the tiles cp_branch_attention computes hold only pairs the attention rule allows.
 
-The pair counts are checked against the dense oracle's mask (an independent construction of the
-attention rule), and the block-diagonal kernel against per-branch attention written out in fp64.
+Branch-local attention is block-diagonal (no pair outside a branch's own block), checked against the
+dense oracle's mask (an independent construction of the rule); the block-diagonal kernel against
+per-branch attention written out in fp64. Ring tiles: without a window every tile is exact
+(computed = allowed) when the kernel's tile cost is 0, and for chains at consecutive positions
+(EAGLE-3 TTT, DFlash at every position) also at the default cost; the repeat_causal tiles that make
+this possible are checked kernel against kernel. (Correctness of every plan against the oracle:
+test_cp_branch_attention, cases *_exact.)
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from cotrain.parallel import (
     ring_plan,
     sample_anchors,
 )
-from cotrain.parallel import blockdiag
+from cotrain.parallel import blockdiag, rank_work
+from cotrain.parallel.kernels import CAUSAL, FULL, REPEAT_CAUSAL, BlockMask, CpuFusedBlockKernel, Tile
 
 
 def _layouts(cp_size: int) -> dict[str, BranchLayout]:
@@ -127,3 +133,65 @@ def test_tile_only_kernels_get_one_tile_per_branch():
         results.append([o.detach() for o in out] + [t.grad for t in ts])
     for a, b in zip(*results):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def _ring_layouts(cp_size: int) -> dict[str, BranchLayout]:
+    g = torch.Generator().manual_seed(4)
+    cu = cu_seqlens_from_lengths([300, 41, 7, 130])
+    T = int(cu[-1])
+    return {
+        "dflash_sparse": dflash_layout(cu, sample_anchors(cu, 4, g), 16, cp_size=cp_size),
+        "dflash_every_position": dflash_layout(cu, torch.arange(T), 4, cp_size=cp_size),
+        "eagle3_every_position": eagle3_ttt_layout(cu, 3, cp_size=cp_size),
+        "eagle3_random_half": eagle3_ttt_layout(cu, 4, positions=torch.randperm(T, generator=g)[: T // 2], cp_size=cp_size),
+        "uneven_inclusive": _layouts(cp_size)["uneven_random_order_full"],
+    }
+
+
+def _pairs(layout, cp_size, **kwargs):
+    plans = [ring_plan(layout, r, **kwargs) for r in range(cp_size)]
+    masks = [m for p in plans for m in p.ring_masks + ([p.intra_mask] if p.intra_mask else [])]
+    return sum(m.pairs_computed() for m in masks), sum(m.pairs_allowed() for m in masks)
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+def test_ring_tiles_are_exact_without_a_window(cp_size):
+    for name, layout in _ring_layouts(cp_size).items():
+        for max_tile in (64, 256):
+            computed, allowed = _pairs(layout, cp_size, max_tile=max_tile, tile_cost_pairs=0)
+            assert allowed == int(rank_work(layout).sum()), name  # the allowed pairs are the rule's
+            assert computed == allowed, (name, max_tile, computed, allowed)
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+def test_default_tile_cost_trades_a_little_waste_for_fewer_tiles(cp_size):
+    # At the CPU kernels' cost (2048 pairs per tile), branches whose own tiles would save less than
+    # that share a masked tile (short branches, short chunks): bounded waste, fewer dispatches.
+    for name, layout in _ring_layouts(cp_size).items():
+        computed, allowed = _pairs(layout, cp_size)
+        assert allowed <= computed <= 1.35 * allowed, (name, computed / allowed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_repeat_causal_tile_fused_matches_torch_kernel(dtype):
+    # 5 consecutive chains of 3 tokens at positions 10..14 against keys 8..15: 2 full keys, then a
+    # staircase; plus a plain full and causal tile on other rows, all in one mask.
+    g = torch.Generator().manual_seed(0)
+    n, rep = 5, 3
+    q_hi = torch.cat([torch.arange(10, 15).repeat_interleave(rep), torch.arange(8, 16)])
+    nq = q_hi.numel()
+    k_pos = torch.arange(8, 16)
+    tiles = [Tile(0, n * rep, 0, 2, FULL), Tile(0, n * rep, 2, 2 + n, REPEAT_CAUSAL, rep), Tile(n * rep, nq, 0, 8, CAUSAL)]
+    mask = BlockMask(tiles, torch.zeros(nq, dtype=torch.int64), torch.zeros(nq, dtype=torch.int64), q_hi,
+                     torch.zeros(8, dtype=torch.int64), k_pos)
+    assert mask.pairs_computed() == mask.pairs_allowed() == 2 * 15 + rep * n * (n + 1) // 2 + 36
+    q = torch.randn(nq, 4, 8, generator=g).to(dtype)
+    k, v = (torch.randn(8, 2, 8, generator=g).to(dtype) for _ in range(2))
+    ref, fused = TorchBlockKernel(), CpuFusedBlockKernel()
+    out_r, lse_r = ref.forward(q, k, v, mask, 0.3)
+    out_f, lse_f = fused.forward(q, k, v, mask, 0.3)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(out_f, out_r, atol=tol) and torch.allclose(lse_f, lse_r, atol=tol)
+    dout = torch.randn(out_r.shape, generator=g)
+    for a, b in zip(fused.backward(dout, q, k, v, out_r, lse_r, mask, 0.3), ref.backward(dout, q, k, v, out_r, lse_r, mask, 0.3)):
+        assert torch.allclose(a, b, atol=tol * 4), float((a - b).abs().max())
