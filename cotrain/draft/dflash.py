@@ -153,7 +153,7 @@ class BlockDrafter(Drafter):
             _, bout = attn(q_main, kc, vc, q, kb, vb)
             resid = resid + layer.self_attn.out(bout)
             resid = resid + layer.mlp(layer.post_attention_layernorm(resid))
-        hidden = self.norm(resid).view(NB, B, -1)
+        hidden = self.norm(resid).view(NB, B, resid.shape[-1])
         return hidden, anchors, ids
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:

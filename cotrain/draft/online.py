@@ -167,9 +167,10 @@ class OnlineDraftTrainer:
                                      "chains", "microbatches"), 0.0)
         self._seconds = 0.0
 
-    def _layout(self, batch: DraftBatch, seq_ids: torch.Tensor):
+    def _layout_for(self, batch: DraftBatch, seq_ids: torch.Tensor, step: int):
+        """The drafter's layout of ``batch`` at GRPO step ``step`` (anchors drawn per row)."""
         if isinstance(self.drafter, BlockDrafter):
-            seeds = [anchor_seed(self.seed, self._step, s) for s in seq_ids.tolist()]
+            seeds = [anchor_seed(self.seed, step, s) for s in seq_ids.tolist()]
             anchors = sample_block_anchors(self.drafter, batch, seeds, int(self.drafter.cfg.anchors_per_seq))
             return self.drafter.build_layout(batch, cp_size=self.cp_size, anchors=anchors)
         return self.drafter.build_layout(batch, cp_size=self.cp_size)
@@ -180,20 +181,21 @@ class OnlineDraftTrainer:
             raise RuntimeError("call begin_step before microbatch")
         t0 = time.perf_counter()
         batch, local_logits = to_draft_batch(rows, taps, logits, self.cp_size)
-        layout = self._layout(batch, rows.seq_ids)
+        layout = self._layout_for(batch, rows.seq_ids, self._step)
         with torch.enable_grad():
             out = self.drafter(batch, layout, group=self.cp_group if self.cp_size > 1 else None)
             if self.cp_size > 1:
                 shape = out.target_rows.shape
-                tl = fetch_rows(local_logits, out.target_rows, layout, self.cp_group).view(*shape, -1)
+                tl = fetch_rows(local_logits, out.target_rows, layout, self.cp_group).view(*shape, local_logits.shape[-1])
             else:
                 tl = local_logits[out.target_rows.clamp(min=0)]
             p = F.softmax(tl.float(), dim=-1)
             labels = batch.input_ids[(out.target_rows + 1).clamp(min=0, max=batch.num_tokens - 1)]
             loss, m = draft_loss(self.loss_name, out, p, labels=labels, **self.loss_extra)
             weight = float(_weights(out.valid, out.loss_weight).sum())
-            if weight > 0:
-                (loss * weight).backward()
+            # always: under CP the backward of branch attention is collective over the CP group,
+            # so a rank with nothing to supervise still takes part (with zero gradients)
+            (loss * weight).backward()
         with torch.no_grad():
             valid = out.valid
             n = float(valid.sum())

@@ -307,6 +307,13 @@ class MegatronPolicyWorker:
                 state = box[0]
         return state if self.rank == 0 else None
 
+    def draft_shared_tensors(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(embedding, LM head) the drafter borrows right now, on its holder (for tests and checks)."""
+        if not self._draft_holder():
+            return None
+        d = self.draft.trainer.drafter
+        return d.embed_weight.clone(), d.target_lm_head.clone()
+
     def export(self, kind: str, version: int, transport_name: str) -> dict | None:
         """Publish the full policy or the drafter through a weight transport; the handle on rank 0."""
         state = self.full_policy_state() if kind == "policy" else self.full_draft_state()

@@ -36,8 +36,8 @@ def results(ray_local, tiny_model_path):
         batch = fake_rollout_batch()
         group = TrainerGroup(load_config("configs/demo.yaml", OVERRIDES + ov), tiny_model_path)
         try:
-            out = group.logprobs(batch)
-            lp, ref = out.logprobs, out.ref_logprobs
+            res = group.logprobs(batch)
+            lp, ref = res.logprobs, res.ref_logprobs
             # perturb the "old" policy so that ratios differ from 1 and clipping and KL are exercised
             batch.old_logprobs = lp + 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(0)) * batch.mask
             batch.ref_logprobs = ref

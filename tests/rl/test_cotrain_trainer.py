@@ -1,0 +1,143 @@
+"""Co-training inside the Megatron trainer, on a fixed rollout batch.
+
+- The policy's step is bit-identical with co-training on or off (PP=1, PP=2, CP=2, DP=2): the
+  drafter's loss never reaches the policy's gradients, clipping norm or weights.
+- The drafter's step inside the trainer equals the offline distillation step on the same sequences
+  (taps and target logits from a Hugging Face forward of the same policy, the same anchors).
+- The drafter's loss, gradient norm and weights after the step agree across layouts: PP=2, CP=2,
+  DP=2 and TP=2 against PP=1 (anchors are drawn per row, so the draw does not depend on the layout).
+- Before each drafter step the drafter's borrowed tensors (embedding, LM head) are the current
+  policy's: after a policy update they follow it.
+
+The drafter optimizer runs with eps = 1 and no clipping, so its first update is ~lr * g: weights
+after the step then compare gradients linearly (Adam's usual eps turns a 1e-9 gradient difference
+into a sign flip).
+"""
+
+import pytest
+import ray
+import torch
+
+from _trainer_utils import fake_rollout_batch
+
+from cotrain.config import load_config
+
+BASE = ["policy.micro_batch_size=4", "grpo.prompts_per_step=4", "policy.reference_model=false",
+        "rollout.speculative.method=null"]
+DRAFT = {"dflash": ["draft.kind=dflash", "draft.dflash.block_size=4", "draft.dflash.anchors_per_seq=2"],
+         "eagle3": ["draft.kind=eagle3", "draft.eagle3.ttt_steps=3"]}
+DRAFT_OPT = ["draft.cotrain=true", "draft.optimizer.lr=0.5", "draft.optimizer.eps=1.0", "draft.optimizer.clip_grad=0.0"]
+LAYOUTS = {"pp1": [], "pp2": ["policy.parallel.pipeline=2"], "cp2": ["policy.parallel.context=2"],
+           "dp2": ["policy.parallel.data=2"], "tp2": ["policy.parallel.tensor=2"]}
+# (drafter or None, layout)
+RUNS = [(None, "pp1"), (None, "pp2"), (None, "cp2"), (None, "dp2"),
+        ("dflash", "pp1"), ("dflash", "pp2"), ("dflash", "cp2"), ("dflash", "dp2"), ("dflash", "tp2"),
+        ("eagle3", "pp1"), ("eagle3", "cp2")]
+DRAFT_ATOL = {"pp2": 1e-6, "dp2": 1e-6, "cp2": 2e-5, "tp2": 2e-5}
+
+
+def config(kind, layout):
+    ov = BASE + LAYOUTS[layout] + (DRAFT[kind] + DRAFT_OPT if kind else [])
+    return load_config("configs/demo.yaml", ov)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_path):
+    from cotrain.rl.workers import TrainerGroup
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    out = {}
+    try:
+        for kind, layout in RUNS:
+            batch = fake_rollout_batch()
+            group = TrainerGroup(config(kind, layout), tiny_model_path)
+            try:
+                lp = group.logprobs(batch, draft_step=1 if kind else None)
+                batch.old_logprobs = lp.logprobs + 0.3 * torch.randn(
+                    lp.logprobs.shape, generator=torch.Generator().manual_seed(0)) * batch.mask
+                metrics = group.train_step(batch)
+                r = dict(batch=batch, lp=lp.logprobs, metrics=metrics, draft=lp.draft_metrics,
+                         weights=group.named_weights("policy"))
+                if kind:
+                    r["draft_weights"] = group.named_weights("draft")
+                    if layout == "pp1":  # the next drafter step starts from the updated policy's tensors
+                        group.logprobs(batch, draft_step=2)
+                        r["shared_after"] = group._all("draft_shared_tensors")[0]
+                        r["weights_after"] = group.named_weights("policy")
+                out[(kind, layout)] = r
+            finally:
+                group.shutdown()
+    finally:
+        ray.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("layout", ["pp1", "pp2", "cp2", "dp2"])
+def test_policy_step_is_bit_identical_with_cotraining_on_or_off(runs, layout):
+    off, on = runs[(None, layout)], runs[("dflash", layout)]
+    assert torch.equal(on["lp"], off["lp"])
+    for k in ("loss", "grad_norm", "clip_frac"):
+        assert on["metrics"][k] == off["metrics"][k], k
+    assert set(on["weights"]) == set(off["weights"])
+    for name, w in off["weights"].items():
+        assert torch.equal(on["weights"][name], w), name
+    if layout == "pp1":
+        assert torch.equal(runs[("eagle3", "pp1")]["weights"]["lm_head.weight"], off["weights"]["lm_head.weight"])
+
+
+@pytest.mark.parametrize("kind, layout", [("dflash", "pp2"), ("dflash", "cp2"), ("dflash", "dp2"), ("dflash", "tp2"),
+                                          ("eagle3", "cp2")])
+def test_drafter_step_is_the_same_in_every_layout(runs, kind, layout):
+    base, other = runs[(kind, "pp1")], runs[(kind, layout)]
+    for k in ("draft/loss", "draft/grad_norm", "draft/acceptance_offline", "draft/chains", "draft/positions"):
+        assert other["draft"][k] == pytest.approx(base["draft"][k], rel=1e-5, abs=1e-9), k
+    for name, w in base["draft_weights"].items():
+        torch.testing.assert_close(other["draft_weights"][name], w, atol=DRAFT_ATOL[layout], rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+def test_drafter_step_equals_the_offline_distillation_step(runs, kind, tiny_model_path):
+    """Reference: the HF policy's taps and logits on the same rows, the drafter built as the
+    distillation builds it, one AdamW step of the same loss on the same chains."""
+    from cotrain.draft.taps import load_hf_target
+    from cotrain.draft.online import OnlineDraftTrainer, RolloutRows, to_draft_batch
+    from cotrain.draft.registry import build_drafter
+    from cotrain.draft.taps import TargetSpec, compute_taps  # noqa: F811
+
+    cfg = config(kind, "pp1")
+    r = runs[(kind, "pp1")]
+    b = r["batch"]
+    target = TargetSpec.from_checkpoint(tiny_model_path)
+    drafter = build_drafter(kind, cfg.draft.settings, target, seed=cfg.run.seed)
+    init = {n: p.detach().clone() for n, p in drafter.vllm_state_dict().items()}
+    hf = load_hf_target(tiny_model_path)
+    rows = RolloutRows(b.inputs, b.mask, b.lengths, torch.arange(len(b)))
+    S = b.seq_len
+    taps, logits = compute_taps(hf, b.inputs.reshape(-1), torch.arange(0, len(b) * S + 1, S), drafter.tap_layers)
+    online = OnlineDraftTrainer(drafter, cfg.draft, total_steps=cfg.grpo.num_steps, seed=cfg.run.seed)
+    online.begin_step(1)
+    online.microbatch(rows, taps, logits / cfg.rollout.sampling.temperature)
+    ref = online.end_step()
+    # the one-process reference agrees with the trainer's 4 microbatches on 1 rank
+    for k in ("loss", "grad_norm", "acceptance_offline", "chains"):
+        assert r["draft"][f"draft/{k}"] == pytest.approx(ref[k], rel=1e-4), k
+    after = drafter.vllm_state_dict()
+    assert max((after[n] - init[n]).abs().max().item() for n in init) > 1e-3  # the step moved the drafter
+    for name, w in after.items():
+        if name in r["draft_weights"]:
+            torch.testing.assert_close(r["draft_weights"][name], w, atol=2e-5, rtol=0, msg=name)
+    # ... and the one-process reference is the distillation's own step on the same chains
+    from cotrain.draft.distill import train_step
+    from cotrain.draft.optim import make_optimizer, set_lr
+
+    again = build_drafter(kind, cfg.draft.settings, target, seed=cfg.run.seed)
+    batch, _ = to_draft_batch(rows, taps, logits / cfg.rollout.sampling.temperature)
+    layout = online._layout_for(batch, rows.seq_ids, step=1)  # the same anchors
+    again.build_layout = lambda *args, **kwargs: layout
+    opt = make_optimizer(again, cfg.draft.optimizer)
+    set_lr(opt, cfg.draft.optimizer.lr)
+    m = train_step(again, batch, cfg.draft.loss, opt, cfg.draft.optimizer.clip_grad, torch.Generator())
+    assert m["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert m["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+    for name, w in again.vllm_state_dict().items():
+        torch.testing.assert_close(after[name], w, atol=1e-6, rtol=0, msg=name)
