@@ -94,7 +94,8 @@ def load_distill_config(path: Optional[str | Path] = None, overrides: list[str] 
     cfg = DistillConfig.model_validate(data)
     if cfg.draft.kind is None:
         raise ValueError("draft.kind must name a drafter (eagle3, dflash, dspark)")
-    unused = sorted(ONLINE_ONLY_KEYS & cfg.draft.model_fields_set)
+    fields = type(cfg.draft).model_fields
+    unused = sorted(k for k in ONLINE_ONLY_KEYS if getattr(cfg.draft, k) != fields[k].default)
     if unused:
         raise ValueError(f"draft.{unused[0]}: used only by a GRPO run's co-training, not by offline distillation "
                          f"(remove {', '.join('draft.' + k for k in unused)})")

@@ -349,7 +349,7 @@ def check_draft(cfg: CotrainConfig, arch: ModelArch | None) -> list[Issue]:
                        "would stay random (allowed: true, or set rollout.speculative.draft_model)"))
     if not d.cotrain:
         for key in ("init", "push_every", "tap_timeout_s"):
-            if key in d.model_fields_set:
+            if getattr(d, key) != type(d).model_fields[key].default:
                 issues.append((f"draft.{key}", "is used only when co-training (draft.cotrain=false: the engines "
                                "serve rollout.speculative.draft_model as it is)"))
         return issues

@@ -234,10 +234,13 @@ class GrpoRun:
 
         cfg = self.cfg
         self.model_path = str(resolve_model_path(cfg.policy.model_path))
-        self.pad_id = AutoTokenizer.from_pretrained(self.model_path).pad_token_id
-        train, self.eval_problems = load_problems(cfg)
+        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.pad_id = tokenizer.pad_token_id
+        train, self.eval_problems = load_problems(cfg, tokenizer=tokenizer)
         self.stream = PromptStream(train, seed=cfg.run.seed, shuffle=cfg.data.shuffle)
         self.state = DriverState()
+        # everything that can fail without workers fails before they start
+        resume_dir = self.ckpt.resolve(resume) if resume else None  # verified; a damaged one is skipped
         draft_init = resolve_draft_init(cfg) if self.cotrain else None
         init_ray(cfg)
         self.trainer = TrainerGroup(cfg, self.model_path, draft_init=draft_init)
@@ -247,7 +250,6 @@ class GrpoRun:
         self.rollout = RolloutGroup.from_config(cfg, model_path=self.model_path, draft_model=served_draft)
         if cfg.rollout.weight_transport == "nccl":  # GPU engines on other devices: a broadcast group
             self.trainer.connect_weight_broadcast(self.rollout)
-        resume_dir = self.ckpt.resolve(resume) if resume else None
         if resume_dir is not None:
             self.trainer.load_checkpoint(str(resume_dir))
             saved = self.ckpt.load_driver_state(resume_dir)
@@ -284,6 +286,7 @@ class GrpoRun:
         with timed(m, "time/rollout"):
             gen = self.rollout.generate([p.prompt for p in problems], self.sampling(step), n=g.group_size)
         rewards = score(cfg, gen.samples, problems)
+        m.update(reward_metrics(gen.samples, problems))
         adv = group_advantages(rewards, g.baseline, g.normalize_std)
         flat = [s for row in gen.samples for s in row]
         cp = cfg.policy.parallel.context  # zigzag CP splits every sequence into 2*CP equal chunks

@@ -211,7 +211,9 @@ class MegatronPolicyWorker:
         def loss_fn(mb, logp):
             adv = mb.advantages[:, None].expand_as(logp)
             tok_loss, info = grpo_token_losses(logp, mb.old_logprobs, adv, g.clip_eps_low, g.clip_eps_high,
-                                               ref_logp=mb.ref_logprobs, kl_coef=g.kl_coef)
+                                               ref_logp=mb.ref_logprobs, kl_coef=g.kl_coef,
+                                               log_ratio_clamp=g.log_ratio_clamp, clip_ratio_c=g.clip_ratio_c,
+                                               kl_clamp=g.kl_clamp)
             loss = aggregate(tok_loss, mb.mask, g.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
             m = mb.mask
             stats = {"loss": loss.detach() * 1.0, "clip_frac": (info["clipped"] * m).sum() / num_tokens,
