@@ -74,6 +74,7 @@ CASES = [
     Case("dflash_all_exact", "dflash_all", kernel="exact", lse_grad=False, seed=11),
     Case("dflash_exact_window", "dflash", kernel="exact", window=5, lse_grad=False, seed=12),
     Case("bf16_eagle3_all_exact", "eagle3_all", kernel="exact", dtype="bfloat16", lse_grad=False, seed=13),
+    Case("fp16_dflash", "dflash", dtype="float16", seed=3),
     # fp64 end to end: the oracle's own precision.
     Case("fp64_dflash_window", "dflash", window=6, dtype="float64", seed=2),
     Case("fp64_eagle3_tiles", "eagle3", dtype="float64", max_tile=5, seed=7),

@@ -2,7 +2,7 @@
 
 One process group per CP degree runs every case (see _cp_cases.worker); the tests below read its
 results. fp32: max abs error <= 1e-5 for out, LSE and every gradient. bf16: |err| <= 2.5e-2 +
-2.5e-2 |ref| (transformer-engine's CP test tolerance, atol = rtol = 2.5e-2). fp64: <= 1e-12 (the
+2.5e-2 |ref| (transformer-engine's CP test tolerance, atol = rtol = 2.5e-2), fp16 too. fp64: <= 1e-12 (the
 oracle's own precision: fp64 is computed in fp64 end to end).
 """
 
@@ -29,7 +29,7 @@ def results(cp_size: int) -> list:
 
 
 FP32 = [c for c in CASES if c.dtype == "float32" and c.grad_comm is None]
-BF16 = [c for c in CASES if c.dtype == "bfloat16"]
+BF16 = [c for c in CASES if c.dtype in ("bfloat16", "float16")]
 FP64 = [c for c in CASES if c.dtype == "float64"]
 QUANTITIES = ["out", "lse", "bout", "blse", "dq", "dk", "dv", "dbq", "dbk", "dbv"]
 
