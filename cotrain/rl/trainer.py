@@ -207,6 +207,10 @@ class MegatronPolicyWorker:
         shard = self._my_shard(batch)
         micro = self._micro(shard)
         scale = len(micro) * ps.get_data_parallel_world_size()  # undo Megatron's per-microbatch and DP averaging
+        # each sequence's response tokens over the whole row: under CP a rank holds two zigzag chunks
+        # of every row, and seq_mean divides by the sequence's count, not the chunks'
+        full = batch.split(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
+        seq_tokens = {id(mb): rows.mask.sum(dim=1) for mb, rows in zip(micro, self._micro(full))}
 
         def loss_fn(mb, logp):
             adv = mb.advantages[:, None].expand_as(logp)
@@ -214,7 +218,8 @@ class MegatronPolicyWorker:
                                                ref_logp=mb.ref_logprobs, kl_coef=g.kl_coef,
                                                log_ratio_clamp=g.log_ratio_clamp, clip_ratio_c=g.clip_ratio_c,
                                                kl_clamp=g.kl_clamp)
-            loss = aggregate(tok_loss, mb.mask, g.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
+            loss = aggregate(tok_loss, mb.mask, g.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
+                             seq_tokens=seq_tokens[id(mb)])
             m = mb.mask
             stats = {"loss": loss.detach() * 1.0, "clip_frac": (info["clipped"] * m).sum() / num_tokens,
                      "ratio_max": (info["ratio"] * m).max()}
