@@ -66,16 +66,20 @@ def test_shipped_configs_validate(name):  # distill_*.yaml are cotrain.draft.dis
 
 
 def test_demo_configs_content():
-    demo = load_config(CONFIGS / "demo.yaml")
-    assert (demo.cluster.device, demo.world_size, demo.rollout.num_engines) == ("cpu", 1, 1)
-    assert demo.policy.model_path == "builtin:tiny"
-    assert 15 <= demo.grpo.num_steps <= 100
-    assert (demo.grpo.prompts_per_step, demo.grpo.group_size, demo.rollout_batch_size) == (16, 16, 256)
-    assert demo.draft.kind is None and demo.rollout.speculative.method is None
+    plain = load_config(CONFIGS / "grpo.yaml")
+    assert (plain.cluster.device, plain.world_size, plain.rollout.num_engines) == ("cpu", 1, 1)
+    assert plain.policy.model_path == "builtin:tiny"
+    assert 15 <= plain.grpo.num_steps <= 100
+    assert (plain.grpo.prompts_per_step, plain.grpo.group_size, plain.rollout_batch_size) == (16, 16, 256)
+    assert plain.draft.kind is None and plain.rollout.speculative.method is None
+    demo = load_config(CONFIGS / "demo.yaml")  # the same run with a co-trained DFlash drafter serving the rollouts
+    assert demo.grpo == plain.grpo and demo.policy == plain.policy
+    assert (demo.draft.kind, demo.draft.cotrain, demo.rollout.speculative.method) == ("dflash", True, "dflash")
+    assert demo.draft.init == "distill:configs/distill_dflash.yaml"
     pp2 = load_config(CONFIGS / "demo_pp2.yaml")
-    assert pp2.policy.parallel.pipeline == 2 and pp2.world_size == 2
-    for kind in ("eagle3", "dflash"):
-        cfg = load_config(CONFIGS / f"demo_{kind}.yaml")
+    assert pp2.policy.parallel.pipeline == 2 and pp2.world_size == 2 and pp2.draft.kind == "dflash"
+    for name, kind in (("demo.yaml", "dflash"), ("demo_eagle3.yaml", "eagle3")):
+        cfg = load_config(CONFIGS / name)
         assert cfg.draft.kind == kind and cfg.draft.cotrain
         assert cfg.rollout.speculative.method == kind
         assert cfg.draft.settings is cfg.draft.kind_settings(kind)

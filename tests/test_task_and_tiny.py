@@ -85,7 +85,7 @@ def test_driver_scores_format_errors_with_reward_format_error():
     from cotrain.config import load_config
     from cotrain.rl.driver import reward_metrics, score
 
-    cfg = load_config(ROOT / "configs" / "demo.yaml", ["reward.format_error=-0.5"])
+    cfg = load_config(ROOT / "configs" / "grpo.yaml", ["reward.format_error=-0.5"])
     row = [SimpleNamespace(text=t) for t in ("12", "13", "", "x1")]
     probs = [Problem("5+7=", "12")]
     assert score(cfg, [row], probs).tolist() == [[1.0, 0.0, -0.5, -0.5]]
@@ -96,7 +96,7 @@ def test_format_error_reward_must_stay_below_correct():
     from cotrain.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"reward.format_error: 1 must be below reward.correct=1"):
-        load_config(ROOT / "configs" / "demo.yaml", ["reward.format_error=1.0"])
+        load_config(ROOT / "configs" / "grpo.yaml", ["reward.format_error=1.0"])
 
 
 def test_jsonl_loader_and_its_errors(tmp_path):
@@ -172,7 +172,7 @@ def test_tiny_model_cache_is_reused(tiny_model_path):
 def _cfg(*overrides):
     from cotrain.config import load_config
 
-    return load_config(ROOT / "configs" / "demo.yaml", list(overrides))
+    return load_config(ROOT / "configs" / "grpo.yaml", list(overrides))
 
 
 def test_arithmetic_eval_prompts_are_not_training_prompts():
@@ -254,14 +254,14 @@ GOOD = json.dumps({"prompt": "1+1=", "answer": "2"})
 def test_validate_only_reads_the_jsonl_and_names_file_and_line(tmp_path, capsys, lines, bad_line, message):
     f = tmp_path / "data.jsonl"
     f.write_text("\n".join(lines) + "\n")
-    rc = _launcher().main(["--config", str(ROOT / "configs/demo.yaml"), "--validate-only", "data.task=jsonl",
+    rc = _launcher().main(["--config", str(ROOT / "configs/grpo.yaml"), "--validate-only", "data.task=jsonl",
                            f"data.jsonl.path={f}", "grpo.prompts_per_step=4"])
     err = capsys.readouterr().err
     assert rc == 2, err
     assert f"data.jsonl.path: {f}:{bad_line}: {message}" in err
     # the same file as the evaluation file is named under data.eval.path
     ok = _write_jsonl(tmp_path / "ok.jsonl", [{"prompt": f"q{i}", "answer": "1"} for i in range(8)])
-    rc = _launcher().main(["--config", str(ROOT / "configs/demo.yaml"), "--validate-only", "data.task=jsonl",
+    rc = _launcher().main(["--config", str(ROOT / "configs/grpo.yaml"), "--validate-only", "data.task=jsonl",
                            f"data.jsonl.path={ok}", f"data.eval.path={f}", "grpo.prompts_per_step=4"])
     assert rc == 2 and f"data.eval.path: {f}:{bad_line}: {message}" in capsys.readouterr().err
 
@@ -269,7 +269,7 @@ def test_validate_only_reads_the_jsonl_and_names_file_and_line(tmp_path, capsys,
 def test_validate_only_exits_2_without_a_traceback(tmp_path):
     f = tmp_path / "data.jsonl"
     f.write_text(GOOD + "\n5\n")
-    proc = subprocess.run([sys.executable, str(ROOT / "launch/grpo.py"), "--config", str(ROOT / "configs/demo.yaml"),
+    proc = subprocess.run([sys.executable, str(ROOT / "launch/grpo.py"), "--config", str(ROOT / "configs/grpo.yaml"),
                            "--validate-only", "data.task=jsonl", f"data.jsonl.path={f}", "grpo.prompts_per_step=4"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

@@ -109,7 +109,7 @@ def test_metrics_line_cut_mid_write_does_not_stop_resume(tmp_path):
     from cotrain.rl.metrics import MetricsLogger, read_metrics
 
     root = Path(__file__).resolve().parents[2]
-    cfg = load_config(root / "configs" / "demo.yaml", [f"run.output_dir={tmp_path}", "logging.tensorboard=false"])
+    cfg = load_config(root / "configs" / "grpo.yaml", [f"run.output_dir={tmp_path}", "logging.tensorboard=false"])
     rows = [{"step": s, "reward/mean": s / 10} for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "reward/me')
     with pytest.warns(UserWarning, match=r"metrics.jsonl:4: skipping an unreadable metrics line"):
@@ -127,7 +127,7 @@ def test_validation_refuses_a_damaged_checkpoint_named_by_path(two_checkpoints, 
     spec = importlib.util.spec_from_file_location("launch_grpo_ckpt_test", root / "launch" / "grpo.py")
     launcher = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(launcher)
-    args = ["--config", str(root / "configs/demo.yaml"), "--validate-only", "--resume"]
+    args = ["--config", str(root / "configs/grpo.yaml"), "--validate-only", "--resume"]
     assert launcher.main(args + [str(older)]) == 0
     _truncate(newest / "trainer_rank0000.pt")
     capsys.readouterr()

@@ -38,7 +38,7 @@ DRAFT_ATOL = {"pp2": 1e-6, "dp2": 1e-6, "cp2": 2e-5, "tp2": 2e-5}
 
 def config(kind, layout):
     ov = BASE + LAYOUTS[layout] + (DRAFT[kind] + DRAFT_OPT if kind else [])
-    return load_config("configs/demo.yaml", ov)
+    return load_config("configs/grpo.yaml", ov)
 
 
 @pytest.fixture(scope="module")

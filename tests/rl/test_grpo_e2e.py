@@ -1,9 +1,10 @@
 """End to end: `ray job submit launch/grpo.py` on a loopback cluster, then an exact resume.
 
-Run A goes through the real job path (a loopback `ray start` of its own, `ray job submit`), 3 steps
-with a checkpoint after step 2. Run B starts standalone from A's step-2 checkpoint and runs step 3:
-its metrics must equal A's step 3 (on CPU everything is deterministic: seeded sampling, fp32, same
-weights). The cluster comes from tests/rl/_ray_cluster.py: its own temp dir and free ports, ready
+Run A is the demo (GRPO with a DFlash drafter co-trained online and serving the rollouts), here
+with the drafter from scratch, through the real job path (a loopback `ray start` of its own, `ray
+job submit`): 3 steps with a checkpoint after step 2. Run B starts standalone from A's step-2
+checkpoint and runs step 3: its metrics, the drafter's included, must equal A's step 3 (on CPU
+everything is deterministic: seeded sampling, fp32, same weights, anchors seeded per row). The cluster comes from tests/rl/_ray_cluster.py: its own temp dir and free ports, ready
 for jobs before the first submission, and stopped without touching any other Ray on the machine.
 """
 
@@ -27,6 +28,12 @@ COMMON = ["grpo.num_steps=3", "grpo.prompts_per_step=4", "grpo.group_size=4", "p
           "logging.progress_bar=false", "policy.reference_model=true"]
 
 
+# the demo's co-trained DFlash drafter, from scratch (a falling loss shows it learns)
+COTRAIN = ["draft.init=null", "draft.optimizer.lr=3e-3"]
+DRAFT_KEYS = ("draft/loss", "draft/acceptance_offline", "draft/grad_norm", "spec/acceptance_length", "time/draft",
+              "draft/update_overhead", "tap/bytes", "tap/wait_s", "draft/push_ok")
+
+
 def metrics(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
@@ -35,7 +42,7 @@ def metrics(run_dir: Path) -> dict[int, dict]:
 def run_a(tmp_path_factory, tiny_model_path, ray_cluster):
     out = tmp_path_factory.mktemp("run_a")
     status, logs = submit_job(ray_cluster, ["python", "launch/grpo.py", "--config", "configs/demo.yaml",
-                                            f"run.output_dir={out}", *COMMON], timeout=900)
+                                            f"run.output_dir={out}", *COMMON, *COTRAIN], timeout=900)
     assert status == "SUCCEEDED", logs[-4000:]
     return out
 
@@ -52,6 +59,19 @@ def test_job_writes_metrics_curves_and_checkpoints(run_a):
     assert (run_a / "checkpoints" / "step_000002" / "COMPLETE").exists()
     assert "trainer_rank0000.pt" in json.loads((run_a / "checkpoints" / "step_000002" / "MANIFEST.json").read_text())["files"]
     assert (run_a / "checkpoints" / "latest").read_text() == "step_000003"
+    assert (run_a / "drafter_init" / "config.json").exists()  # what the engines started with
+
+
+def test_cotrained_drafter_learns_and_serves_every_step(run_a):
+    m = metrics(run_a)
+    for step in m.values():
+        for key in DRAFT_KEYS:
+            assert key in step, key
+        assert step["draft/push_ok"] == 1.0
+        assert 1.0 <= step["spec/acceptance_length"] <= 1 + 3  # measured by vLLM with the pushed drafter
+        assert step["tap/bytes"] > 0
+    assert m[3]["draft/loss"] < 0.8 * m[1]["draft/loss"]  # a from-scratch drafter learns within the run
+    assert m[3]["spec/acceptance_length"] > m[1]["spec/acceptance_length"]  # ... and the engines serve it
 
 
 def test_train_inference_kl_is_zero_in_fp32(run_a):
@@ -68,12 +88,13 @@ def test_resume_reproduces_the_uninterrupted_run(run_a, tmp_path):
     shutil.copytree(run_a / "checkpoints" / "step_000002", ckpt / "step_000002")
     (ckpt / "latest").write_text("step_000002")
     proc = subprocess.run([sys.executable, str(ROOT / "launch/grpo.py"), "--config", str(ROOT / "configs/demo.yaml"),
-                           f"run.output_dir={out_b}", *COMMON, "--resume"],
+                           f"run.output_dir={out_b}", *COMMON, *COTRAIN, "--resume"],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "resumed from" in proc.stdout
     a, b = metrics(run_a)[3], metrics(out_b)[3]
-    for key in ("reward/mean", "response/length", "train/loss", "train/grad_norm", "kl/ref", "kl/train_infer"):
+    for key in ("reward/mean", "response/length", "train/loss", "train/grad_norm", "kl/ref", "kl/train_infer",
+                "draft/loss", "draft/acceptance_offline", "draft/grad_norm", "spec/acceptance_length"):
         assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), key
 
 
@@ -82,7 +103,7 @@ def test_speculative_rollouts_report_acceptance_length(tmp_path, tiny_model_path
     the engines' acceptance statistics every step and stays on-policy (train-inference KL ~ 0)."""
     out = tmp_path / "spec"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "launch/grpo.py"), "--config", str(ROOT / "configs/demo.yaml"), f"run.output_dir={out}",
+        [sys.executable, str(ROOT / "launch/grpo.py"), "--config", str(ROOT / "configs/grpo.yaml"), f"run.output_dir={out}",
          "grpo.num_steps=2", "grpo.prompts_per_step=4", "grpo.group_size=4", "policy.micro_batch_size=8",
          "data.eval.every=0", "logging.progress_bar=false", "rollout.speculative.method=draft_model",
          f"rollout.speculative.draft_model={tiny_model_path}", "rollout.speculative.num_speculative_tokens=3"],
@@ -104,7 +125,7 @@ def test_frozen_distilled_eagle3_drafter_in_the_loop(tmp_path, tiny_model_path):
     out = tmp_path / "eagle3"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "launch/grpo.py"), "--config", str(ROOT / "configs/demo_eagle3.yaml"),
-         f"run.output_dir={out}", "draft.cotrain=false", f"rollout.speculative.draft_model={drafter}",
+         f"run.output_dir={out}", "draft.cotrain=false", "draft.init=null", f"rollout.speculative.draft_model={drafter}",
          "grpo.num_steps=2", "grpo.prompts_per_step=4", "grpo.group_size=4", "policy.micro_batch_size=8",
          "data.eval.every=0", "logging.progress_bar=false"],
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
@@ -164,7 +185,7 @@ finally:
 
 def _start_driver(tmp_path):
     script = tmp_path / "driver.py"
-    script.write_text(DRIVER.format(root=str(ROOT), config=str(ROOT / "configs/demo.yaml")))
+    script.write_text(DRIVER.format(root=str(ROOT), config=str(ROOT / "configs/grpo.yaml")))
     log = tmp_path / "driver.log"
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, env=ENV)

@@ -45,7 +45,7 @@ def group(tiny_model_path):
     from cotrain.config import load_config
     from cotrain.rl.rollout import RolloutGroup
 
-    cfg = load_config("configs/demo.yaml", [
+    cfg = load_config("configs/grpo.yaml", [
         "rollout.num_engines=2", "rollout.speculative.method=draft_model",
         f"rollout.speculative.draft_model={tiny_model_path}", "rollout.speculative.num_speculative_tokens=3"])
     started = start_ray()

@@ -223,7 +223,7 @@ def test_engine_spec_from_config(tmp_path):
     from cotrain.config import load_config
     from cotrain.rl.rollout import engine_spec_from_config, sampling_from_config
 
-    cfg = load_config("configs/demo.yaml", ["rollout.speculative.method=ngram",
+    cfg = load_config("configs/grpo.yaml", ["rollout.speculative.method=ngram",
                                             "rollout.speculative.num_speculative_tokens=2",
                                             "rollout.speculative.ngram.prompt_lookup_max=3"])
     spec = engine_spec_from_config(cfg, model_path=str(tmp_path))
