@@ -416,7 +416,7 @@ def test_resolved_values_and_round_trip(tmp_path):
     again = load_config(write(tmp_path, "resolved.yaml", cfg.to_yaml()))
     assert again.to_dict() == cfg.to_dict()
     clone = pickle.loads(pickle.dumps(cfg))           # configs travel to Ray actors
-    assert clone.to_dict() == cfg.to_dict() and clone.draft.settings.ttt_steps == 3
+    assert clone.to_dict() == cfg.to_dict() and clone.draft.settings.ttt_steps == 4
     assert clone.model_arch == cfg.model_arch
 
 
@@ -565,3 +565,65 @@ def test_cli_calls_driver_with_resume(monkeypatch, capsys):
     cfg, resume = calls[0]
     assert cfg.grpo.num_steps == 2 and resume is True and cfg.checkpoint.resume is True
     assert yaml.safe_load(capsys.readouterr().out)["grpo"]["num_steps"] == 2
+
+
+# ----------------------------------------------------------------------------- the co-trained drafter
+def _fake_drafter(dirpath: Path, kind="dflash", hidden=128, vocab=None, tap_layers=(0, 3), num_layers=1) -> Path:
+    from cotrain.models.tiny import TINY_QWEN3_CONFIG
+    from cotrain.models.tiny import VOCAB_SIZE
+
+    dirpath.mkdir(parents=True, exist_ok=True)
+    (dirpath / "config.json").write_text(json.dumps({
+        "target_hidden_size": hidden, "hidden_size": hidden, "vocab_size": vocab or VOCAB_SIZE,
+        "num_hidden_layers": num_layers, "cotrain": {"kind": kind, "tap_layers": list(tap_layers)}}))
+    (dirpath / "cotrain_drafter.json").write_text(json.dumps({
+        "kind": kind, "tap_layers": list(tap_layers),
+        "settings": {"tap_layers": list(tap_layers), "num_layers": num_layers}}))
+    assert TINY_QWEN3_CONFIG["hidden_size"] == 128
+    return dirpath
+
+
+COTRAIN_DFLASH = ["draft.kind=dflash", "draft.cotrain=true", "rollout.speculative.method=dflash"]
+
+
+def test_draft_init_directory_is_checked_against_the_policy_and_the_kind(tmp_path):
+    ok = _fake_drafter(tmp_path / "ok")
+    cfg = load_config(DEMO, [*COTRAIN_DFLASH, f"draft.init={ok}"])
+    assert cfg.draft.init == str(ok)
+    cases = [
+        (_fake_drafter(tmp_path / "h", hidden=256), "draft.init", "made for hidden size 256, the policy's is 128"),
+        (_fake_drafter(tmp_path / "v", vocab=999), "draft.init", "made for a vocabulary of 999"),
+        (_fake_drafter(tmp_path / "k", kind="eagle3"), "draft.init", "is a eagle3 drafter, draft.kind is dflash"),
+        (_fake_drafter(tmp_path / "t", tap_layers=(1, 2)), "draft.dflash.tap_layers", "differs from the drafter in"),
+        (_fake_drafter(tmp_path / "n", num_layers=2), "draft.dflash.num_layers", "set it to 2"),
+        (tmp_path / "nothing", "draft.init", "is not a drafter directory"),
+    ]
+    for path, key, fragment in cases:
+        assert_issue(error_of([*COTRAIN_DFLASH, f"draft.init={path}"]), key, fragment)
+
+
+def test_draft_init_from_a_distill_config(tmp_path):
+    cfg = load_config(DEMO, [*COTRAIN_DFLASH, "draft.init=distill:configs/distill_dflash.yaml"])
+    assert cfg.draft.settings.tap_layers == [0, 3]
+    assert_issue(error_of([*COTRAIN_DFLASH, "draft.init=distill:configs/distill_eagle3.yaml"]),
+                 "draft.init", "is a eagle3 drafter, draft.kind is dflash")
+    assert_issue(error_of([*COTRAIN_DFLASH, "draft.init=distill:configs/nope.yaml"]), "draft.init", "does not exist")
+    bad = write(tmp_path, "bad.yaml", "draft: {kind: dflash, lr: 3}\n")
+    assert_issue(error_of([*COTRAIN_DFLASH, f"draft.init=distill:{bad}"]), "draft.init", "not a valid distill config")
+
+
+def test_cotraining_refuses_what_it_cannot_act_on():
+    assert_issue(error_of([*COTRAIN_DFLASH, "rollout.speculative.draft_model=configs"]),
+                 "rollout.speculative.draft_model", "must be null with draft.cotrain=true")
+    assert_issue(error_of([*COTRAIN_DFLASH, "draft.tap_transport=nccl"]), "draft.tap_transport", "needs cluster.device=cuda")
+    frozen = ["draft.kind=dflash", "draft.cotrain=false", "rollout.speculative.draft_model=configs"]
+    for key, value in (("init", "distill:configs/distill_dflash.yaml"), ("push_every", "2"), ("tap_timeout_s", "5.0")):
+        assert_issue(error_of([*frozen, f"draft.{key}={value}"]), f"draft.{key}", "used only when co-training")
+    assert load_config(DEMO, [*COTRAIN_DFLASH]).draft.tap_transport == "shm"  # auto on cpu
+
+
+def test_distill_config_refuses_online_only_keys():
+    from cotrain.config.distill import load_distill_config
+
+    with pytest.raises(ValueError, match=r"draft.push_every: used only by a GRPO run's co-training"):
+        load_distill_config(CONFIGS / "distill_dflash.yaml", ["draft.push_every=3"])

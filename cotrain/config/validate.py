@@ -48,12 +48,12 @@ _BUILTIN_PREFIX = "builtin:"
 
 
 def _builtin_config(name: str) -> dict[str, Any]:
-    from cotrain.models.tiny import BUILTIN_MODEL_PATH, TINY_QWEN3_CONFIG
+    from cotrain.models.tiny import BUILTIN_MODEL_PATH, TINY_QWEN3_CONFIG, VOCAB_SIZE
 
     if f"{_BUILTIN_PREFIX}{name}" != BUILTIN_MODEL_PATH:
         raise ConfigError([("policy.model_path", f"unknown built-in model {_BUILTIN_PREFIX}{name!s} "
                             f"(allowed: {BUILTIN_MODEL_PATH}, or a HF checkpoint directory)")])
-    return dict(TINY_QWEN3_CONFIG)
+    return dict(TINY_QWEN3_CONFIG, vocab_size=VOCAB_SIZE)
 
 
 def load_model_arch(model_path: str, key: str = "policy.model_path") -> ModelArch:

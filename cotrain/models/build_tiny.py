@@ -24,12 +24,11 @@ from pathlib import Path
 
 import torch
 
-from cotrain.models.tiny import BUILTIN_MODEL_PATH, TINY_QWEN3_CONFIG, TINY_SFT, TINY_TASK
+from cotrain.models.tiny import BUILTIN_MODEL_PATH, TINY_QWEN3_CONFIG, TINY_SFT, TINY_TASK, VOCAB_SIZE
 from cotrain.models.tokenizer import EOS, PAD, build_tokenizer, build_vocab
 from cotrain.tasks.data import Problem, arithmetic_dataset
 
 BUILD_VERSION = 1
-VOCAB_SIZE = 128  # 99 tokens used, padded to a multiple of 64 (tensor-parallel friendly)
 
 
 def cache_root() -> Path:

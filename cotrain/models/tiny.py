@@ -6,6 +6,7 @@ that it can check parallel degrees before anything is built.
 """
 
 BUILTIN_MODEL_PATH = "builtin:tiny"
+VOCAB_SIZE = 128  # 99 tokens used, padded to a multiple of 64 (tensor-parallel friendly)
 
 TINY_QWEN3_CONFIG = dict(
     architectures=["Qwen3ForCausalLM"],

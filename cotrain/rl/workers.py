@@ -56,6 +56,7 @@ class TrainerGroup(TrainingBackend):
         gpus = 1 if cfg.cluster.device == "cuda" else 0
         cpus = cfg.policy.cpus_per_worker
         self.actors = [TrainingWorker.options(num_cpus=cpus, num_gpus=gpus).remote(cpus) for _ in range(n)]
+        self.dead: list[int] = []  # ranks whose actor died
         addr, port = ray.get(self.actors[0].rendezvous_address.remote())
         self.infos = self._wait([a.setup.remote(cfg, str(model_path), r, n, addr, port, draft_init)
                                  for r, a in enumerate(self.actors)], "setup")
@@ -72,6 +73,7 @@ class TrainerGroup(TrainingBackend):
                 try:
                     ray.get(ref)
                 except ray.exceptions.ActorDiedError as e:
+                    self.dead.append(rank)
                     raise TrainerRankDiedError(f"training rank {rank} died during {what}: {_cause(e)}") from None
         return ray.get(refs)
 
@@ -126,7 +128,9 @@ class TrainerGroup(TrainingBackend):
 
     def shutdown(self) -> None:
         try:
-            ray.get([a.call.remote("shutdown") for a in self.actors], timeout=60)
+            # after a rank died the survivors may be stuck in a collective with it: do not wait for them
+            if not self.dead:
+                ray.get([a.call.remote("shutdown") for a in self.actors], timeout=60)
         except Exception:
             pass  # a dead or hung rank: the actors are killed below either way
         finally:
