@@ -401,6 +401,11 @@ class DFlashConfig(DraftKindConfig):
     """Block length B = anchor + B-1 predicted tokens (>= 2)."""
     anchors_per_seq: PosInt = 4
     """Anchors (blocks) sampled per training sequence."""
+    anchor_sampling: Literal["uniform", "balanced"] = "uniform"
+    """How anchors are drawn among a sequence's response positions: uniform = uniformly per
+    sequence (the same draw at any CP size); balanced = stratified by the CP rank that owns each
+    anchor so that the drafter's attention work is even across CP ranks (cotrain.parallel.balance;
+    the draw then depends on the CP size)."""
     loss_gamma: PosFloat | None = 7.0
     """Position decay of the loss: weight of block position k is exp(-(k-1)/gamma). null =
     uniform weights."""
@@ -627,11 +632,15 @@ class GrpoConfig(StrictModel):
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     """Loss aggregation: mean over all tokens, or mean over sequences of per-sequence means."""
     global_batch_size: PosInt | None = None
-    """Sequences per optimizer step. null = prompts_per_step * group_size (one update per
-    step); otherwise it must divide that and be a multiple of policy.parallel.data *
+    """Sequences per optimizer step (a mini-batch of consecutive sequences; its loss is its own
+    token or sequence mean). null = prompts_per_step * group_size (one optimizer step per epoch);
+    otherwise it must divide that and be a multiple of policy.parallel.data *
     policy.micro_batch_size."""
     epochs: PosInt = 1
-    """Passes over each step's rollouts."""
+    """Passes over each step's rollouts: a GRPO step takes prompts_per_step * group_size /
+    global_batch_size optimizer steps per pass, the mini-batches in a seeded random order, all
+    against the log-probs of the policy that sampled the rollouts (PPO-style: from the second
+    optimizer step on the ratio leaves 1 and the clipping acts)."""
     log_ratio_clamp: PosFloat | None = 20.0
     """Clamp the log importance ratio log(pi/pi_old), and k3's log(ref/pi), to +-this before exp()
     (verl clamps both at 20; NeMo-RL's KL input clamp is 20). It only keeps exp() finite: on-policy

@@ -39,7 +39,7 @@ from cotrain.draft.common import (
 )
 from cotrain.draft.registry import Drafter, register_drafter
 from cotrain.draft.taps import TargetSpec
-from cotrain.parallel import BranchLayout, dflash_layout
+from cotrain.parallel import BranchLayout, balanced_anchors, dflash_layout
 
 
 class BlockLayer(nn.Module):
@@ -110,6 +110,9 @@ class BlockDrafter(Drafter):
 
     def build_layout(self, batch: DraftBatch, generator: Optional[torch.Generator] = None, cp_size: int = 1,
                      anchors: Optional[torch.Tensor] = None, all_anchors: bool = False) -> BranchLayout:
+        if anchors is None and not all_anchors and self.cfg.anchor_sampling == "balanced":
+            anchors = balanced_anchors(batch.cu_seqlens, self.anchor_candidates(batch), int(self.cfg.anchors_per_seq),
+                                       cp_size, generator, block_size=self.block_size)
         if anchors is None:
             anchors = self.sample_anchors(batch, None if all_anchors else int(self.cfg.anchors_per_seq), generator)
         return dflash_layout(batch.cu_seqlens, anchors, self.block_size, cp_size=cp_size)

@@ -27,6 +27,9 @@ the rank that owns them. At C = 1 the padding is dropped. Anchors of block draft
 row from a generator seeded by (seed, step, the row's index in the rollout batch), so every CP rank
 draws the same anchors and the draw does not depend on the DP / PP / CP layout.
 
+With ``anchor_sampling: balanced`` the anchors of a microbatch are drawn in one stratified draw per
+CP group instead (even attention work across CP ranks; the draw then depends on the CP size).
+
 Acceptance (``acceptance_offline``): on the step's chains, 1 + the number of leading drafts equal
 to the policy's greedy token at their position, over the first ``k`` drafts (teacher forcing on the
 rollout tokens; see :mod:`cotrain.draft.acceptance`).
@@ -169,6 +172,10 @@ class OnlineDraftTrainer:
 
     def _layout_for(self, batch: DraftBatch, seq_ids: torch.Tensor, step: int):
         """The drafter's layout of ``batch`` at GRPO step ``step`` (anchors drawn per row)."""
+        if isinstance(self.drafter, BlockDrafter) and self.drafter.cfg.anchor_sampling == "balanced":
+            # one draw for the microbatch, stratified by CP rank (identical on every rank of the group)
+            g = torch.Generator().manual_seed(anchor_seed(self.seed, step, int(seq_ids[0])))
+            return self.drafter.build_layout(batch, generator=g, cp_size=self.cp_size)
         if isinstance(self.drafter, BlockDrafter):
             seeds = [anchor_seed(self.seed, step, s) for s in seq_ids.tolist()]
             anchors = sample_block_anchors(self.drafter, batch, seeds, int(self.drafter.cfg.anchors_per_seq))

@@ -1,0 +1,90 @@
+"""The drafter's side of co-training without Megatron: rows -> DraftBatch, anchors, sampling options."""
+
+import torch
+
+from cotrain.config.schema import DraftConfig
+from cotrain.draft.online import OnlineDraftTrainer, RolloutRows, anchor_seed, to_draft_batch
+from cotrain.draft.registry import build_drafter
+from cotrain.draft.taps import TargetSpec
+from cotrain.parallel import work_imbalance
+
+
+def rows_example():
+    # two rows of S = 8: prompt [5, 6, 7] + response [8, 9, 2(eos)], and prompt [5, 6] + response [4]
+    inputs = torch.tensor([[5, 6, 7, 8, 9, 2, 0, 0], [5, 6, 4, 0, 0, 0, 0, 0]])
+    mask = torch.zeros(2, 8)
+    mask[0, 2:5] = 1  # targets 8, 9, 2
+    mask[1, 1:2] = 1  # target 4
+    return RolloutRows(inputs, mask, torch.tensor([6, 3]), torch.tensor([10, 11]))
+
+
+def test_rows_become_packed_sequences():
+    rows = rows_example()
+    H, V = 3, 11
+    taps = torch.arange(16 * H, dtype=torch.float32).view(16, H)
+    logits = torch.arange(16 * V, dtype=torch.float32).view(16, V)
+    batch, tl = to_draft_batch(rows, taps, logits, cp_size=1)
+    assert batch.cu_seqlens.tolist() == [0, 6, 9]  # padding dropped
+    assert batch.input_ids.tolist() == [5, 6, 7, 8, 9, 2, 5, 6, 4]
+    # token t is supervised iff it is a response token
+    assert batch.loss_mask.tolist() == [False, False, False, True, True, True, False, False, True]
+    assert batch.response_start.tolist() == [3, 2]
+    assert torch.equal(batch.taps, taps[[0, 1, 2, 3, 4, 5, 8, 9, 10]]) and torch.equal(tl, logits[[0, 1, 2, 3, 4, 5, 8, 9, 10]])
+    # under CP the rows stay whole (their zigzag shards arrive in the policy's order)
+    batch2, tl2 = to_draft_batch(rows, taps[:8], logits[:8], cp_size=2)
+    assert batch2.cu_seqlens.tolist() == [0, 8, 16] and batch2.taps.shape[0] == 8 and tl2.shape[0] == 8
+    assert batch2.loss_mask.reshape(2, 8)[:, :6].tolist() == [
+        [False, False, False, True, True, True], [False, False, True, False, False, False]]
+
+
+def _trainer(tiny_model_path, sampling="uniform", cp=1, per_seq=2):
+    cfg = DraftConfig.model_validate({"kind": "dflash", "loss": "soft_ce",
+                                      "dflash": {"block_size": 4, "anchors_per_seq": per_seq,
+                                                 "anchor_sampling": sampling}})
+    target = TargetSpec.from_checkpoint(tiny_model_path)
+    drafter = build_drafter("dflash", cfg.settings, target, seed=0)
+    return OnlineDraftTrainer(drafter, cfg, total_steps=10, seed=7, cp_size=cp)
+
+
+def _long_rows(n=6, S=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(5, 20, (n,), generator=g)
+    lengths = torch.randint(S // 2, S, (n,), generator=g)
+    inputs = torch.randint(3, 100, (n, S), generator=g)
+    mask = torch.zeros(n, S)
+    for i in range(n):
+        mask[i, int(prompt[i]) - 1: int(lengths[i]) - 1] = 1
+    return RolloutRows(inputs, mask, lengths, torch.arange(n))
+
+
+def test_uniform_anchors_do_not_depend_on_the_cp_layout(tiny_model_path):
+    rows = _long_rows()
+    n, S = rows.inputs.shape
+    H = 2 * 128
+    one = _trainer(tiny_model_path, cp=1)
+    two = _trainer(tiny_model_path, cp=2)
+    b1, _ = to_draft_batch(rows, torch.zeros(n * S, H), torch.zeros(n * S, 5), cp_size=1)
+    b2, _ = to_draft_batch(rows, torch.zeros(n * S // 2, H), torch.zeros(n * S // 2, 5), cp_size=2)
+    l1, l2 = one._layout_for(b1, rows.seq_ids, step=3), two._layout_for(b2, rows.seq_ids, step=3)
+    in_seq = lambda b, lay: [(int(b.seq_of[a]), int(b.positions[a])) for a in lay.anchors]  # noqa: E731
+    assert in_seq(b1, l1) == in_seq(b2, l2)
+    assert len(l1.anchors) == 2 * n
+    # a different step draws different anchors; the same (seed, step, row) the same ones
+    assert in_seq(b1, one._layout_for(b1, rows.seq_ids, step=4)) != in_seq(b1, l1)
+    assert anchor_seed(7, 3, 5) == anchor_seed(7, 3, 5) != anchor_seed(7, 3, 6)
+
+
+def test_balanced_anchor_sampling_evens_the_cp_work(tiny_model_path):
+    uniform, balanced = _trainer(tiny_model_path, "uniform", cp=4, per_seq=3), _trainer(tiny_model_path, "balanced", cp=4, per_seq=3)
+    imb = {"uniform": [], "balanced": []}
+    for seed in range(12):
+        rows = _long_rows(n=4, S=64, seed=seed)
+        b, _ = to_draft_batch(rows, torch.zeros(4 * 16, 256), torch.zeros(4 * 16, 5), cp_size=4)
+        imb["uniform"].append(work_imbalance(uniform._layout_for(b, rows.seq_ids, step=1)))
+        lay = balanced._layout_for(b, rows.seq_ids, step=1)
+        assert len(lay.anchors) == 3 * 4  # the same number of blocks, placed differently
+        imb["balanced"].append(work_imbalance(lay))
+    # 12 blocks over 4 ranks are coarse: even so the stratified draw roughly halves the excess work
+    mean = {k: sum(v) / len(v) for k, v in imb.items()}
+    assert mean["balanced"] - 1 < 0.5 * (mean["uniform"] - 1), mean
+    assert max(imb["balanced"]) < 1.10, imb
