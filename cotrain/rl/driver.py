@@ -310,6 +310,7 @@ class GrpoRun:
             "train/loss": train_metrics["loss"],
             "train/grad_norm": train_metrics["grad_norm"],
             "train/clip_frac": train_metrics["clip_frac"],
+            **{f"train/{k}": train_metrics[k] for k in ("lr", "optimizer_steps") if k in train_metrics},
         })
         if "kl_ref" in train_metrics:
             m["kl/ref"] = train_metrics["kl_ref"]

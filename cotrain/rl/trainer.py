@@ -38,6 +38,10 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # n
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
 
+#: train_step metrics every rank computes whole (the others are per-rank parts, reduced over DP x CP)
+GLOBAL_METRICS = ("grad_norm", "optimizer_steps", "lr")
+
+
 class MegatronPolicyWorker:
     def __init__(self, cfg, model_path: str, rank: int, world_size: int, master_addr: str, master_port: int,
                  draft_init: str | None = None):
@@ -80,7 +84,8 @@ class MegatronPolicyWorker:
                                              layer_spec=self.layer_spec)
             load_hf_weights(self.ref_model, hf_state, self.arch)
             self.ref_model.requires_grad_(False).eval()
-        self.steps_done = 0
+        self.steps_done = 0  # optimizer steps
+        self.updates_done = 0  # train_step calls (rollout batches)
         # the co-trained drafter: taps on every stage, the drafter on the last (collective to build)
         self.draft = None
         if cfg.draft.kind is not None and cfg.draft.cotrain:
@@ -200,16 +205,69 @@ class MegatronPolicyWorker:
         return out if self._holds_outputs() else None
 
     def train_step(self, batch: TrainBatch) -> dict | None:
-        """One GRPO optimizer step on the whole batch (old/ref log-probs filled in by the driver)."""
+        """The GRPO update on one rollout batch (old/ref log-probs filled in by the driver).
+
+        PPO-style: ``grpo.epochs`` passes over the batch in mini-batches of ``grpo.global_batch_size``
+        consecutive sequences (groups stay whole when it is a multiple of group_size), one optimizer
+        step per mini-batch, the mini-batches of each pass in a seeded random order (run.seed and the
+        number of updates so far, so a resumed run takes the same order). The old log-probs stay those
+        of the policy before the first step, so from the second step on the ratio leaves 1 and the
+        clipped surrogate acts. Each mini-batch's loss is its own token (sequence) mean: normalised
+        by the mini-batch's global response-token (sequence) count. A batch of at most
+        global_batch_size sequences is one mini-batch.
+
+        Metrics: ``loss``, ``grad_norm`` (before clipping) and ``clip_frac`` are means over the
+        optimizer steps, ``ratio_max`` the largest ratio of any step, ``kl_ref`` the token mean of
+        the k3 KL to the reference over the first pass (each sequence once, each mini-batch on the
+        weights before its own step), ``optimizer_steps`` the optimizer steps taken since the start
+        of the run.
+        """
         g = self.cfg.grpo
-        num_tokens = batch.mask.sum().item()
-        num_seqs = float(len(batch))
-        shard = self._my_shard(batch)
-        micro = self._micro(shard)
-        scale = len(micro) * ps.get_data_parallel_world_size()  # undo Megatron's per-microbatch and DP averaging
+        gbs = min(g.global_batch_size or len(batch), len(batch))  # a smaller batch: one mini-batch
+        if len(batch) % gbs:
+            raise ValueError(f"grpo.global_batch_size={gbs} does not divide the rollout batch of {len(batch)} sequences")
+        n_mini = len(batch) // gbs
+        order = torch.Generator().manual_seed(self.cfg.run.seed * 1_000_003 + self.updates_done)
+        total_tokens = max(batch.mask.sum().item(), 1.0)
+        sums: dict[str, float] = {}
+        grad_norms = []
+        self.model.train()
+        for epoch in range(g.epochs):
+            for j in torch.randperm(n_mini, generator=order).tolist():
+                stats, grad_norm = self._optimizer_step(batch.select(slice(j * gbs, (j + 1) * gbs)))
+                grad_norms.append(grad_norm)
+                for k, v in stats.items():
+                    if k == "kl_sum":
+                        if epoch == 0:
+                            sums[k] = sums.get(k, 0.0) + v
+                    elif k.endswith("_max"):
+                        sums[k] = max(sums.get(k, v), v)
+                    else:
+                        sums[k] = sums.get(k, 0.0) + v
+        self.updates_done += 1
+        n = len(grad_norms)
+        metrics = {"grad_norm": sum(grad_norms) / n, "optimizer_steps": float(self.steps_done)}
+        for k, v in sums.items():
+            if k == "kl_sum":
+                metrics["kl_ref"] = v / total_tokens
+            else:
+                metrics[k] = v if k.endswith("_max") else v / n
+        metrics = self._reduce_over_batch_ranks(metrics)
+        return metrics if self._holds_outputs() and ps.get_data_parallel_rank() == 0 else None
+
+    def _optimizer_step(self, mini: TrainBatch) -> tuple[dict[str, float], float]:
+        """One optimizer step on the mini-batch ``mini`` (all of it: every rank takes its part).
+        Returns this rank's parts of the step's statistics (last stage; summed over ranks they are
+        the mini-batch's) and the global gradient norm."""
+        g = self.cfg.grpo
+        num_tokens = max(mini.mask.sum().item(), 1.0)
+        num_seqs = float(len(mini))
+        dp = ps.get_data_parallel_world_size()
+        micro = self._micro(self._my_shard(mini))
+        scale = len(micro) * dp  # undo Megatron's per-microbatch and DP averaging
         # each sequence's response tokens over the whole row: under CP a rank holds two zigzag chunks
         # of every row, and seq_mean divides by the sequence's count, not the chunks'
-        full = batch.split(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
+        full = mini.split(dp)[ps.get_data_parallel_rank()]
         seq_tokens = {id(mb): rows.mask.sum(dim=1) for mb, rows in zip(micro, self._micro(full))}
 
         def loss_fn(mb, logp):
@@ -224,29 +282,27 @@ class MegatronPolicyWorker:
             stats = {"loss": loss.detach() * 1.0, "clip_frac": (info["clipped"] * m).sum() / num_tokens,
                      "ratio_max": (info["ratio"] * m).max()}
             if "kl_ref" in info:
-                stats["kl_ref"] = (info["kl_ref"] * m).sum() / num_tokens
+                stats["kl_sum"] = (info["kl_ref"] * m).sum()
             return loss * scale, stats
 
-        self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         res = self._run(self.model, micro, loss_fn, forward_only=False)
         grad_norm = self._clip_and_step(self.cfg.policy.optimizer.clip_grad)
         self.steps_done += 1
-        metrics = {"grad_norm": grad_norm}
+        stats = {}
         if ps.is_pipeline_last_stage():
             for k in res[0]:
                 vals = torch.stack([r[k] for r in res])
-                metrics[k] = (vals.max() if k.endswith("_max") else vals.sum()).item()
-        metrics = self._reduce_over_batch_ranks(metrics)
-        return metrics if self._holds_outputs() and ps.get_data_parallel_rank() == 0 else None
+                stats[k] = (vals.max() if k.endswith("_max") else vals.sum()).item()
+        return stats, grad_norm
 
     def _reduce_over_batch_ranks(self, metrics: dict) -> dict:
         """Sum (or max) the per-rank metric parts over every rank that holds part of the batch."""
         group = ps.get_data_parallel_group(with_context_parallel=True)
         if dist.get_world_size(group) == 1 or not ps.is_pipeline_last_stage():
             return metrics
-        keys = sorted(k for k in metrics if k != "grad_norm")
+        keys = sorted(k for k in metrics if k not in GLOBAL_METRICS)
         t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
         sums = t.clone()
         dist.all_reduce(sums, group=group)
@@ -359,7 +415,7 @@ class MegatronPolicyWorker:
         from cotrain.rl.checkpoint import atomic_torch_save
 
         state = {"model": tensor_state(self.model.module), "optimizer": self.optimizer.state_dict(),
-                 "steps_done": self.steps_done, "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}
+                 "steps_done": self.steps_done, "updates_done": self.updates_done, "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}
         if self.draft is not None and self.draft.trainer is not None:
             state["draft"] = self.draft.trainer.state_dict()
         atomic_torch_save(state, Path(directory) / f"trainer_rank{self.rank:04d}.pt")
@@ -374,6 +430,7 @@ class MegatronPolicyWorker:
                                f"unexpected={unexpected}")
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps_done = state["steps_done"]
+        self.updates_done = state.get("updates_done", self.steps_done)  # older checkpoints: one step per update
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["py_rng"])
         if self.draft is not None and self.draft.trainer is not None:
