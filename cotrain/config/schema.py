@@ -172,11 +172,14 @@ class OptimizerConfig(StrictModel):
     clip_grad: NonNegFloat = 1.0
     """Clip the global gradient norm to this value (0 = no clipping)."""
     warmup_steps: NonNegInt = 0
-    """Linear warm-up steps (optimizer steps)."""
+    """Linear warm-up over the first warmup_steps optimizer steps: the k-th step (from 1) runs at
+    lr * k / warmup_steps. For the policy it must be below the run's optimizer steps (grpo.num_steps
+    * prompts_per_step * group_size / global_batch_size * epochs)."""
     schedule: Literal["constant", "cosine"] = "constant"
-    """Learning-rate schedule after warm-up."""
+    """Learning-rate schedule after warm-up: constant lr, or a cosine decay from lr to min_lr over
+    the rest of the run's optimizer steps (the policy's is logged as train/lr)."""
     min_lr: NonNegFloat = 0.0
-    """Final learning rate of the cosine schedule."""
+    """Final learning rate of the cosine schedule (at most lr)."""
 
 
 class PolicyConfig(StrictModel):

@@ -259,7 +259,26 @@ def check_batches(cfg: CotrainConfig) -> list[Issue]:
     if g.kl_coef > 0 and not pol.reference_model:
         issues.append(("grpo.kl_coef", f"{g.kl_coef:g} > 0 needs policy.reference_model=true (allowed: 0, "
                        "or enable policy.reference_model)"))
+    opt = pol.optimizer
+    total = total_optimizer_steps(cfg)
+    if total is not None and opt.warmup_steps >= total:
+        issues.append(("policy.optimizer.warmup_steps", f"{opt.warmup_steps} is not below the run's {total} "
+                       f"optimizer steps (grpo.num_steps * prompts_per_step*group_size / global_batch_size * "
+                       f"epochs = {g.num_steps} * {B // gbs} * {g.epochs}; allowed: 0..{total - 1})"))
+    if opt.schedule == "cosine" and opt.min_lr > opt.lr:
+        issues.append(("policy.optimizer.min_lr", f"{opt.min_lr:g} exceeds policy.optimizer.lr={opt.lr:g}: the "
+                       f"cosine schedule decays from lr to min_lr (allowed: 0..{opt.lr:g})"))
     return issues
+
+
+def total_optimizer_steps(cfg: CotrainConfig) -> int | None:
+    """The policy's optimizer steps over the run: grpo.num_steps x (prompts_per_step * group_size /
+    global_batch_size) x epochs (None when global_batch_size does not divide the rollout batch)."""
+    g, B = cfg.grpo, cfg.rollout_batch_size
+    gbs = g.global_batch_size or B
+    if B % gbs:
+        return None
+    return g.num_steps * (B // gbs) * g.epochs
 
 
 def check_rollout(cfg: CotrainConfig) -> list[Issue]:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from cotrain.config.validate import total_optimizer_steps
 from cotrain.models import convert
 from cotrain.models.hf_io import load_hf_checkpoint
 from cotrain.models.megatron_compat import model_parallel_manual_seed
@@ -35,6 +36,7 @@ from megatron.core import parallel_state as ps  # noqa: E402  (after the compat 
 from megatron.core import tensor_parallel  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, get_canonical_lr_for_logging  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
 
@@ -72,12 +74,23 @@ class MegatronPolicyWorker:
             mcfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=False), model)
         opt = cfg.policy.optimizer
+        min_lr = min(opt.min_lr, opt.lr)  # only the cosine schedule reaches it (validation: min_lr <= lr)
         # clip_grad=0 here: Megatron's clipping asserts CUDA tensors; we clip in step() (same maths)
         self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=opt.lr, adam_beta1=opt.betas[0], adam_beta2=opt.betas[1],
-                            adam_eps=opt.eps, weight_decay=opt.weight_decay, clip_grad=0.0,
+            OptimizerConfig(optimizer="adam", lr=opt.lr, min_lr=min_lr, adam_beta1=opt.betas[0],
+                            adam_beta2=opt.betas[1], adam_eps=opt.eps, weight_decay=opt.weight_decay, clip_grad=0.0,
                             bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype),
             [self.model])
+        # The LR schedule over the run's optimizer steps, Megatron's scheduler stepped *before* each
+        # optimizer step: the k-th step (from 1) runs at lr(k), so warm-up's first step is not at 0 and
+        # the last one is at min_lr. Config values win over a checkpoint's (override); the step count
+        # comes from the checkpoint. Weight decay: Megatron's groups (none on biases and norms).
+        total = max(total_optimizer_steps(cfg) or 1, opt.warmup_steps + 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=opt.lr, min_lr=min_lr, lr_warmup_steps=opt.warmup_steps,
+            lr_decay_steps=total, lr_decay_style=opt.schedule, start_wd=opt.weight_decay, end_wd=opt.weight_decay,
+            wd_incr_steps=total, wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False,
+            override_opt_param_scheduler=True)
         self.ref_model = None
         if cfg.policy.reference_model:
             self.ref_model = build_gpt_model(self.arch, transformer_config(self.arch, dtype=self.dtype),
@@ -220,7 +233,7 @@ class MegatronPolicyWorker:
         optimizer steps, ``ratio_max`` the largest ratio of any step, ``kl_ref`` the token mean of
         the k3 KL to the reference over the first pass (each sequence once, each mini-batch on the
         weights before its own step), ``optimizer_steps`` the optimizer steps taken since the start
-        of the run.
+        of the run, ``lr`` the learning rate of the last of them.
         """
         g = self.cfg.grpo
         gbs = min(g.global_batch_size or len(batch), len(batch))  # a smaller batch: one mini-batch
@@ -246,7 +259,8 @@ class MegatronPolicyWorker:
                         sums[k] = sums.get(k, 0.0) + v
         self.updates_done += 1
         n = len(grad_norms)
-        metrics = {"grad_norm": sum(grad_norms) / n, "optimizer_steps": float(self.steps_done)}
+        metrics = {"grad_norm": sum(grad_norms) / n, "optimizer_steps": float(self.steps_done),
+                   "lr": float(get_canonical_lr_for_logging(self.optimizer.param_groups))}
         for k, v in sums.items():
             if k == "kl_sum":
                 metrics["kl_ref"] = v / total_tokens
@@ -288,6 +302,7 @@ class MegatronPolicyWorker:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         res = self._run(self.model, micro, loss_fn, forward_only=False)
+        self.scheduler.step(1)  # this optimizer step's learning rate: lr(steps_done + 1)
         grad_norm = self._clip_and_step(self.cfg.policy.optimizer.clip_grad)
         self.steps_done += 1
         stats = {}
@@ -415,7 +430,8 @@ class MegatronPolicyWorker:
         from cotrain.rl.checkpoint import atomic_torch_save
 
         state = {"model": tensor_state(self.model.module), "optimizer": self.optimizer.state_dict(),
-                 "steps_done": self.steps_done, "updates_done": self.updates_done, "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}
+                 "steps_done": self.steps_done, "updates_done": self.updates_done,
+                 "scheduler": self.scheduler.state_dict(), "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}
         if self.draft is not None and self.draft.trainer is not None:
             state["draft"] = self.draft.trainer.state_dict()
         atomic_torch_save(state, Path(directory) / f"trainer_rank{self.rank:04d}.pt")
@@ -431,6 +447,8 @@ class MegatronPolicyWorker:
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps_done = state["steps_done"]
         self.updates_done = state.get("updates_done", self.steps_done)  # older checkpoints: one step per update
+        self.scheduler.num_steps = 0  # load_state_dict steps it forward from here
+        self.scheduler.load_state_dict(state.get("scheduler", {**self.scheduler.state_dict(), "num_steps": self.steps_done}))
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["py_rng"])
         if self.draft is not None and self.draft.trainer is not None:

@@ -6,12 +6,19 @@ of B / grpo.global_batch_size mini-batches, one optimizer step each, against fix
   surrogate acts (clip_frac > 0 on on-policy batches, where one step per batch always gives 0).
 - The whole update equals a one-process reference: a Hugging Face copy of the policy and
   torch.optim.Adam taking the same mini-batch steps in the documented order, each mini-batch's
-  loss its own token mean (the losses written out by hand); at DP=2 too (each mini-batch split
-  over the data-parallel ranks).
+  loss its own token mean (the losses written out by hand), each step at the learning rate of the
+  warm-up + cosine formula computed by hand; at DP=2 too (each mini-batch split over the
+  data-parallel ranks).
+- The learning rate after k optimizer steps is that formula's (train/lr, up to the run's last step
+  at min_lr), and a trainer resumed from a checkpoint continues exactly: same learning rate, loss,
+  gradient norm and weights as the uninterrupted one.
+- Validation refuses a warm-up that does not end within the run and a cosine min_lr above lr.
 
 The reference runs Adam with eps = 1, so that an update is ~lr * g and weights after the steps
 compare gradients linearly (Adam's usual eps turns a 1e-9 gradient difference into a sign flip).
 """
+
+import math
 
 import pytest
 import ray
@@ -25,8 +32,18 @@ B, SEED = 16, 0
 BASE = ["policy.micro_batch_size=4", "grpo.prompts_per_step=4", "grpo.group_size=4", "policy.reference_model=false",
         f"run.seed={SEED}"]
 STEPS = BASE + ["grpo.global_batch_size=4", "grpo.epochs=2"]  # 4 mini-batches x 2 epochs = 8 steps per batch
-REF = BASE + ["grpo.global_batch_size=8", "grpo.epochs=2", "policy.optimizer.eps=1.0", "policy.optimizer.lr=0.05",
-              "grpo.clip_eps_low=0.1", "grpo.clip_eps_high=0.1"]
+# 2 mini-batches x 2 epochs x 3 GRPO steps = 12 optimizer steps: warm-up over 3, cosine to min_lr at 12
+LR, MIN_LR, WARMUP, TOTAL = 0.05, 0.005, 3, 12
+REF = BASE + ["grpo.global_batch_size=8", "grpo.epochs=2", "grpo.num_steps=3", "policy.optimizer.eps=1.0",
+              f"policy.optimizer.lr={LR}", f"policy.optimizer.min_lr={MIN_LR}", f"policy.optimizer.warmup_steps={WARMUP}",
+              "policy.optimizer.schedule=cosine", "grpo.clip_eps_low=0.1", "grpo.clip_eps_high=0.1"]
+
+
+def lr_by_hand(k: int) -> float:
+    """The learning rate of the k-th optimizer step (from 1): linear warm-up, then cosine to MIN_LR."""
+    if k <= WARMUP:
+        return LR * k / WARMUP
+    return MIN_LR + (LR - MIN_LR) * (1 + math.cos(math.pi * (k - WARMUP) / (TOTAL - WARMUP))) / 2
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +94,7 @@ def reference_update(cfg, model_path, batch, update_index=0):
     hf = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
     params = [p for p in hf.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=opt_cfg.lr, betas=tuple(opt_cfg.betas), eps=opt_cfg.eps)
+    assert opt_cfg.lr == LR and opt_cfg.schedule == "cosine"  # lr_by_hand's settings
     n_mini = B // g.global_batch_size
     order = torch.Generator().manual_seed(cfg.run.seed * 1_000_003 + update_index)  # the documented order
     losses, norms, clip = [], [], []
@@ -91,6 +109,8 @@ def reference_update(cfg, model_path, batch, update_index=0):
             opt.zero_grad()
             loss.backward()
             norms.append(float(torch.nn.utils.clip_grad_norm_(params, opt_cfg.clip_grad)))
+            for group in opt.param_groups:
+                group["lr"] = lr_by_hand(len(losses) + 1)
             opt.step()
             losses.append(loss.item())
             clip.append(((info["clipped"] * m).sum() / m.sum()).item())
@@ -100,15 +120,31 @@ def reference_update(cfg, model_path, batch, update_index=0):
 
 
 @pytest.fixture(scope="module")
-def ref_runs(ray_local, tiny_model_path):
+def ref_runs(ray_local, tiny_model_path, tmp_path_factory):
+    """pp1: the run's 3 GRPO steps, a checkpoint after the first; resumed: a new trainer from that
+    checkpoint takes the second; dp2: the first step."""
     from cotrain.rl.workers import TrainerGroup
 
+    ckpt = tmp_path_factory.mktemp("ckpt")
     out = {}
-    for layout, ov in (("pp1", []), ("dp2", ["policy.parallel.data=2"])):
+    for layout, ov in (("pp1", []), ("resumed", []), ("dp2", ["policy.parallel.data=2"])):
         group = TrainerGroup(load_config("configs/grpo.yaml", REF + ov), tiny_model_path)
         try:
+            if layout == "resumed":
+                group.load_checkpoint(str(ckpt))
+                batch = on_policy(group, 1)
+                out[layout] = dict(batch=batch, metrics=[group.train_step(batch)], weights=group.named_weights())
+                continue
             batch = on_policy(group, 0)
-            out[layout] = dict(batch=batch, metrics=group.train_step(batch), weights=group.named_weights())
+            metrics = [group.train_step(batch)]
+            r = out[layout] = dict(batch=batch, metrics=metrics, weights=group.named_weights())
+            if layout == "pp1":
+                group.save_checkpoint(str(ckpt))
+                for seed in (1, 2):
+                    r[f"batch{seed}"] = on_policy(group, seed)
+                    metrics.append(group.train_step(r[f"batch{seed}"]))
+                    if seed == 1:
+                        r["weights_after_2"] = group.named_weights()
         finally:
             group.shutdown()
     return out
@@ -121,7 +157,7 @@ def test_update_equals_a_one_process_reference(ref_runs, layout, tiny_model_path
     cfg = load_config("configs/grpo.yaml", REF)
     run = ref_runs[layout]
     ref = reference_update(cfg, tiny_model_path, run["batch"])
-    m = run["metrics"]
+    m = run["metrics"][0]
     assert ref["steps"] == 4 and m["optimizer_steps"] == 4
     assert ref["clip_frac"] > 0  # the surrogate clipped: the comparison covers that path
     for k in ("loss", "grad_norm", "clip_frac"):
@@ -133,3 +169,41 @@ def test_update_equals_a_one_process_reference(ref_runs, layout, tiny_model_path
     assert set(run["weights"]) == set(start)
     moved = max((ref["weights"][n] - start[n]).abs().max().item() for n in start if n in ref["weights"])
     assert moved > 1e-3  # the update moved the policy, so agreeing after it means something
+
+
+def test_learning_rate_follows_warmup_and_cosine(ref_runs):
+    metrics = ref_runs["pp1"]["metrics"]
+    assert [m["optimizer_steps"] for m in metrics] == [4, 8, 12]
+    for m in metrics:
+        assert m["lr"] == pytest.approx(lr_by_hand(int(m["optimizer_steps"])), rel=1e-12)
+    assert lr_by_hand(4) < LR and metrics[-1]["lr"] == pytest.approx(MIN_LR, rel=1e-12)  # decayed to the end
+
+
+def test_resume_continues_exactly(ref_runs):
+    run, resumed = ref_runs["pp1"], ref_runs["resumed"]
+    assert torch.equal(resumed["batch"].old_logprobs, run["batch1"].old_logprobs)  # the checkpointed weights
+    a, b = run["metrics"][1], resumed["metrics"][0]
+    assert b["optimizer_steps"] == a["optimizer_steps"] == 8
+    assert b["lr"] == a["lr"]
+    for k in ("loss", "grad_norm", "clip_frac"):
+        assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), k
+    for name, w in run["weights_after_2"].items():
+        torch.testing.assert_close(resumed["weights"][name], w, atol=1e-7, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("overrides, key, fragments", [
+    (["grpo.num_steps=2", "grpo.global_batch_size=8", "grpo.epochs=2", "policy.optimizer.warmup_steps=8"],
+     "policy.optimizer.warmup_steps", ["8 is not below the run's 8 optimizer steps", "2 * 2 * 2", "allowed: 0..7"]),
+    (["policy.optimizer.schedule=cosine", "policy.optimizer.lr=1e-4", "policy.optimizer.min_lr=1e-3"],
+     "policy.optimizer.min_lr", ["exceeds policy.optimizer.lr=0.0001", "allowed: 0..0.0001"]),
+])
+def test_validation_refuses_a_schedule_the_run_cannot_follow(overrides, key, fragments):
+    from cotrain.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/grpo.yaml", BASE + overrides)
+    msgs = [m for p, m in info.value.issues if p == key]
+    assert msgs, info.value.issues
+    for f in fragments:
+        assert f in msgs[0], (f, msgs[0])
+    load_config("configs/grpo.yaml", BASE + overrides[:-1])  # the rest is fine
