@@ -14,6 +14,7 @@ Resources (see docs/config.md): a training rank takes 1 GPU (cuda) and
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -134,8 +135,9 @@ def resolve(cfg: CotrainConfig, arch: ModelArch | None) -> None:
             r.kv_cache_memory_bytes = 256 * 2**20
     if r.weight_transport == "auto":
         r.weight_transport = ("cuda_ipc" if r.colocate else "nccl") if cuda else "shm"
-    if cfg.draft.tap_transport == "auto":
-        cfg.draft.tap_transport = "cuda_ipc" if cuda else "shm"
+    if cfg.draft.tap_transport == "auto":  # one node: shared memory / IPC; several: a p2p group
+        multi = c.num_nodes > 1
+        cfg.draft.tap_transport = ("nccl" if multi else "cuda_ipc") if cuda else ("gloo" if multi else "shm")
     kind = _kind(cfg)
     if kind is not None:
         if cfg.draft.loss is None:
@@ -182,6 +184,20 @@ def check_lengths(cfg: CotrainConfig) -> list[Issue]:
         allowed = [c for c in range(1, S // 2 + 1) if S % (2 * c) == 0 or c == 1]
         issues.append(("policy.parallel.context", f"{cp} needs policy.max_seq_len={S} divisible by "
                        f"2*context={2 * cp} for the zigzag layout (allowed: {_fmt(allowed, 8)})"))
+    impl = cfg.policy.context_parallel_impl
+    if impl == "megatron_te":
+        where = "policy.context_parallel_impl"
+        if cfg.cluster.device != "cuda":
+            issues.append((where, "megatron_te runs Megatron's context parallelism inside transformer-engine's "
+                           f"attention, which needs CUDA; cluster.device={cfg.cluster.device} (allowed on cpu: "
+                           "cotrain)"))
+        elif importlib.util.find_spec("transformer_engine") is None:
+            issues.append((where, "megatron_te needs transformer-engine, which is not installed here (pip install "
+                           "'transformer-engine[pytorch]'; allowed without it: cotrain)"))
+        elif cp > 1 and cfg.policy.dtype != "bfloat16":
+            issues.append((where, f"megatron_te at policy.parallel.context={cp} needs policy.dtype=bfloat16: "
+                           "transformer-engine's context parallelism runs only in its flash / fused attention "
+                           f"(fp16/bf16), policy.dtype={cfg.policy.dtype} (allowed with float32: cotrain)"))
     mt = cfg.rollout.sampling.max_tokens
     if mt >= S:
         issues.append(("rollout.sampling.max_tokens", f"{mt} leaves no room for the prompt in "

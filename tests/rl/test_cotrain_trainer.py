@@ -141,3 +141,18 @@ def test_drafter_step_equals_the_offline_distillation_step(runs, kind, tiny_mode
     assert m["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
     for name, w in again.vllm_state_dict().items():
         torch.testing.assert_close(after[name], w, atol=1e-6, rtol=0, msg=name)
+
+
+def test_tap_bytes_are_what_the_planner_predicts(runs):
+    """The reader's measured payload (both taps of layers 0 and 3, one crossing from stage 0 at PP=2)
+    equals cotrain.plan's formula: microbatches x tokens x hidden x 4 bytes x taps."""
+    from cotrain.plan import load_arch, tap_bytes
+
+    arch = load_arch("builtin:tiny")
+    for layout in ("pp1", "pp2"):
+        r = runs[("dflash", layout)]
+        b = r["batch"]
+        micro, rows = len(b) // 4, 4  # micro_batch_size 4
+        assert r["draft"]["tap/bytes"] == micro * tap_bytes(rows * b.seq_len, arch.hidden, 4, 2)
+    assert runs[("dflash", "pp2")]["draft"]["tap/moved_bytes"] == micro * tap_bytes(rows * b.seq_len, arch.hidden, 4, 1)
+    assert runs[("dflash", "pp1")]["draft"]["tap/moved_bytes"] == 0

@@ -1,0 +1,91 @@
+"""The planner's formulas against what the code really holds and sends (tiny model, CPU)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cotrain.plan import Arch, drafter_push_params, load_arch, ring_bytes, tap_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_parameter_count_and_push_bytes_equal_the_checkpoint(tiny_model_path):
+    from cotrain.models.hf_io import load_hf_state_dict
+
+    state = load_hf_state_dict(tiny_model_path)
+    arch = load_arch("builtin:tiny")
+    assert arch == Arch.from_hf(json.loads((Path(tiny_model_path) / "config.json").read_text()))
+    assert arch.params() == sum(t.numel() for t in state.values())
+    assert arch.params() * 4 == sum(t.numel() * t.element_size() for t in state.values())  # a policy push, fp32
+
+
+def test_tied_embeddings_count_once():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, vocab_size=100, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(Qwen3Config(**cfg))
+    assert Arch.from_hf(cfg).params() == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("kind, settings", [("eagle3", {}), ("dflash", {"num_layers": 2}),
+                                            ("dspark", {"markov_rank": 8})])
+def test_drafter_push_size_equals_the_drafter(kind, settings, tiny_model_path):
+    from cotrain.draft.registry import build_drafter
+    from cotrain.draft.taps import TargetSpec
+
+    target = TargetSpec.from_checkpoint(tiny_model_path)
+    d = build_drafter(kind, settings, target)
+    sd = d.vllm_state_dict()
+    pushed = sum(sd[n].numel() for n in d.push_names())
+    arch = load_arch("builtin:tiny")
+    assert drafter_push_params(kind, arch, d.num_taps, settings.get("num_layers", 1), settings.get("markov_rank", 16)) \
+        == pushed
+
+
+def _ring(rank, world):
+    from cotrain.parallel import CPStats, cp_branch_attention, cu_seqlens_from_lengths
+    from cotrain.parallel.layout import BranchLayout
+    from cotrain.parallel.zigzag import zigzag_shard
+
+    torch.manual_seed(0)
+    lens = [32, 16]
+    layout = BranchLayout(cu_seqlens_from_lengths(lens), torch.zeros(0, dtype=torch.int64),
+                          torch.zeros(0, dtype=torch.int64), cp_size=world)
+    T, Hq, Hk, D = sum(lens), 4, 2, 8
+    q, k, v = (torch.randn(T, h, D, requires_grad=False) for h in (Hq, Hk, Hk))
+    q, k, v = (zigzag_shard(x, layout, rank).requires_grad_() for x in (q, k, v))
+    stats = CPStats()
+    out, _, _, _ = cp_branch_attention(q, k, v, None, None, None, layout, None, stats=stats)
+    out.sum().backward()
+    return q.shape[0], stats.bytes_sent_forward, stats.bytes_sent_backward
+
+
+def test_cp_ring_bytes_equal_the_measured_ones():
+    from cotrain.distributed import spawn_local
+
+    for local, fwd, bwd in spawn_local(_ring, 2):
+        assert (fwd, bwd) == ring_bytes(local, kv_heads=2, head_dim=8, elem_bytes=4, cp=2)
+
+
+def test_tap_bytes_formula():
+    from cotrain.tapchannel import PipelineLayout, tap_specs
+
+    layout = PipelineLayout.even([0, 1], 4)
+    specs = [s for s in tap_specs([0, 1, 3], layout, width=128, dtype=torch.bfloat16) if s.stage == 0]
+    from cotrain.tapchannel import tap_bytes as channel_bytes
+
+    assert tap_bytes(96, 128, 2, len(specs)) == channel_bytes(96, specs)
+
+
+def test_cli_prints_a_plan():
+    proc = subprocess.run([sys.executable, "-m", "cotrain.plan", "--config", "configs/demo_pp2.yaml", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["layout"]["pp"] == 2 and len(plan["stages"]) == 2
+    assert plan["stages"][0]["tap_bytes_per_microbatch"] > 0 and plan["stages"][0]["tap_link"] == "intra"
