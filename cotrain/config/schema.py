@@ -192,6 +192,13 @@ class PolicyConfig(StrictModel):
     """Parameter / compute dtype of trainers and engines."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     """Parallel degrees."""
+    context_parallel_impl: Literal["cotrain", "megatron_te"] = "cotrain"
+    """The policy's attention and its context parallelism: 'cotrain' = Megatron's local attention,
+    and under policy.parallel.context > 1 cotrain's zigzag ring attention (cotrain.parallel; CPU
+    and GPU); 'megatron_te' = Megatron's own context parallelism inside transformer-engine's
+    attention (TEDotProductAttention, at any CP degree; GPU with transformer-engine installed,
+    and policy.dtype=bfloat16 when context > 1). The co-trained drafter's branch attention is
+    cotrain's either way."""
     micro_batch_size: PosInt = 4
     """Sequences per micro batch on one data-parallel rank."""
     max_seq_len: Annotated[int, Field(ge=2)] = 256

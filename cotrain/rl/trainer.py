@@ -61,10 +61,18 @@ class MegatronPolicyWorker:
         self.dtype = torch.bfloat16 if cfg.policy.dtype == "bfloat16" else torch.float32
         mcfg = transformer_config(self.arch, dtype=self.dtype)
         mcfg.finalize_model_grads_func = finalize_model_grads
-        # Megatron's own context parallelism lives in transformer-engine; cotrain's ring attention
-        # (cotrain.parallel) plugs in as the core_attention of the local layer spec instead.
+        # Megatron's own context parallelism lives in transformer-engine's attention
+        # (policy.context_parallel_impl=megatron_te, GPU); otherwise cotrain's ring attention
+        # (cotrain.parallel) plugs in as the core_attention of the local layer spec under CP.
         self.layer_spec = None
-        if par.context > 1:
+        if cfg.policy.context_parallel_impl == "megatron_te":
+            from megatron.core.extensions.transformer_engine import HAVE_TE, TEDotProductAttention
+
+            if not HAVE_TE:  # megatron then defines placeholders instead of failing its import
+                raise RuntimeError("policy.context_parallel_impl=megatron_te needs transformer-engine, which does not "
+                                   "import here (allowed without it: cotrain)")
+            self.layer_spec = gpt_layer_spec(self.arch, core_attention=TEDotProductAttention)
+        elif par.context > 1:
             from cotrain.parallel.megatron_adapter import CPBranchCoreAttention
 
             self.layer_spec = gpt_layer_spec(self.arch, core_attention=CPBranchCoreAttention)
