@@ -100,6 +100,12 @@ class RingPlan:
     ring_masks: list[BlockMask]  # indexed by the rank whose main K/V shard the block holds
     intra_mask: Optional[BlockMask]  # branch-local attention as one exact tile per branch
     intra_blocks: Optional[BlockDiagonal] = None  # the same, batched per branch length (what runs)
+    main_queries: bool = True  # False: query rows are the branch tokens only (no main query tiles)
+
+    @property
+    def main_rows(self) -> int:
+        """Query rows before the branch rows: local_len with main queries, 0 without."""
+        return self.local_len if self.main_queries else 0
 
 
 def _split(start: int, stop: int, max_tile: int):
@@ -204,14 +210,17 @@ def _key_runs(layout: BranchLayout, rank: int, max_tile: int) -> list[_KeyRun]:
     return runs
 
 
-def _build_plan(layout: BranchLayout, rank: int, device: torch.device, max_tile: int, tile_cost: int) -> RingPlan:
+def _build_plan(layout: BranchLayout, rank: int, device: torch.device, max_tile: int, tile_cost: int,
+                main_queries: bool = True) -> RingPlan:
     C, w = layout.cp_size, layout.window
     T = layout.local_len
+    base = T if main_queries else 0  # first branch query row
 
     # Main queries: hi = own position, lo = hi - w + 1; padding rows see nothing (hi = -1).
-    seg, lo, hi = (torch.empty(T, dtype=torch.int64) for _ in range(3))
+    # Without main queries (main_queries=False) the query rows are the branch tokens alone.
+    seg, lo, hi = (torch.empty(base, dtype=torch.int64) for _ in range(3))
     qruns: list[_QueryRun] = []
-    for r in layout.zigzag_runs(rank):
+    for r in layout.zigzag_runs(rank) if main_queries else ():
         rows = slice(r.local_start, r.local_start + (r.stop - r.start))
         pos = torch.arange(r.start, r.stop)
         real = pos < r.real_stop
@@ -243,8 +252,8 @@ def _build_plan(layout: BranchLayout, rank: int, device: torch.device, max_tile:
         ):
             if i > start:
                 his, los = b_last[start:i], b_lo[offs[start] : offs[i]]
-                members = tuple((T + offs[b], T + offs[b + 1], int(b_lo[offs[b]]), int(b_last[b])) for b in range(start, i))
-                qruns.append(_QueryRun(group_key[start][0], T + offs[start], T + offs[i], int(his.min()),
+                members = tuple((base + offs[b], base + offs[b + 1], int(b_lo[offs[b]]), int(b_last[b])) for b in range(start, i))
+                qruns.append(_QueryRun(group_key[start][0], base + offs[start], base + offs[i], int(his.min()),
                                        int(his.max()), int(los.min()), int(los.max()), None, members))
             start = i
 
@@ -294,19 +303,23 @@ def _build_plan(layout: BranchLayout, rank: int, device: torch.device, max_tile:
         tiles = [Tile(a, b, a, b, kind) for a, b in zip(offs[:-1], offs[1:])]
         intra_mask = BlockMask(tiles, local_id, torch.zeros_like(j), j_hi, local_id, j, None).to(device)
 
-    return RingPlan(C, rank, T, NBt, ring_masks, intra_mask, intra_blocks)
+    return RingPlan(C, rank, T, NBt, ring_masks, intra_mask, intra_blocks, main_queries)
 
 
 def ring_plan(
     layout: BranchLayout, rank: int, device: torch.device | str = "cpu", max_tile: int = DEFAULT_MAX_TILE,
-    tile_cost_pairs: int = DEFAULT_TILE_COST_PAIRS,
+    tile_cost_pairs: int = DEFAULT_TILE_COST_PAIRS, main_queries: bool = True,
 ) -> RingPlan:
-    """The (cached) plan of rank `rank` for `layout`; tile_cost_pairs: see _branch_tiles (0: every tile exact)."""
+    """The (cached) plan of rank `rank` for `layout`; tile_cost_pairs: see _branch_tiles (0: every tile exact).
+
+    main_queries=False: the plan of a call without main queries (q=None): its query rows are the
+    rank's branch tokens only (row 0 = its first branch token), so there is no main query tile; the
+    branch tiles are the full plan's (shifted by local_len rows; only coalescing with main tiles differs)."""
     device = torch.device(device)
-    key = ("plan", rank, str(device), max_tile, tile_cost_pairs)
+    key = ("plan", rank, str(device), max_tile, tile_cost_pairs, bool(main_queries))
     if key not in layout._cache:
         layout._check_rank(rank)
-        layout._cache[key] = _build_plan(layout, rank, device, max_tile, tile_cost_pairs)
+        layout._cache[key] = _build_plan(layout, rank, device, max_tile, tile_cost_pairs, bool(main_queries))
     return layout._cache[key]
 
 
@@ -328,14 +341,19 @@ def _intra_backward(kernel: BlockKernel, dout, bq, bk, bv, out, lse, plan: RingP
 
 
 class _CPBranchAttention(torch.autograd.Function):
+    """The ring (module docstring). q is None when plan.main_queries is False: the query rows are
+    then the branch tokens alone, the outputs are (bout, blse) and no main query tile is computed.
+    The K/V (forward) and dK/dV (backward) still travel the whole ring, on every rank, whatever its
+    number of branches (zero included): every rank takes part in every exchange."""
+
     @staticmethod
     def forward(ctx, q, k, v, bq, bk, bv, plan: RingPlan, group, kernel: BlockKernel, scale: float, stats,
                 grad_comm_dtype):
-        C, rank, T = plan.cp_size, plan.rank, plan.local_len
-        ctype = compute_dtype(q.dtype)
-        q_all = torch.cat([q, bq]) if bq.shape[0] else q
-        out = torch.zeros(q_all.shape, dtype=ctype, device=q.device)
-        lse = torch.full(q_all.shape[:2], float("-inf"), dtype=ctype, device=q.device)
+        C, rank, M = plan.cp_size, plan.rank, plan.main_rows
+        ctype = compute_dtype(k.dtype)
+        q_all = bq if q is None else (torch.cat([q, bq]) if bq.shape[0] else q)
+        out = torch.zeros(q_all.shape, dtype=ctype, device=k.device)
+        lse = torch.full(q_all.shape[:2], float("-inf"), dtype=ctype, device=k.device)
         kv = torch.stack([k, v])
         comm = RingComm(group, tag=0) if C > 1 else None
         for step in range(C):
@@ -343,12 +361,14 @@ class _CPBranchAttention(torch.autograd.Function):
                 next_kv = comm.send_recv(kv)
                 comm.commit()
             src = (rank - step) % C
-            block_out, block_lse = kernel.forward(q_all, kv[0], kv[1], plan.ring_masks[src], scale)
-            merge_lse_(out, lse, block_out, block_lse)
+            mask = plan.ring_masks[src]
+            if mask.tiles:  # no tile: nothing this rank's queries see in that shard
+                block_out, block_lse = kernel.forward(q_all, kv[0], kv[1], mask, scale)
+                merge_lse_(out, lse, block_out, block_lse)
             if step == 0 and plan.intra_mask is not None:
                 # Branch-local attention: the branch K/V never leave this rank.
                 block_out, block_lse = _intra_forward(kernel, bq, bk, bv, plan, scale)
-                merge_lse_(out[T:], lse[T:], block_out, block_lse)
+                merge_lse_(out[M:], lse[M:], block_out, block_lse)
             if step + 1 < C:
                 comm.wait()
                 kv = next_kv
@@ -362,20 +382,26 @@ class _CPBranchAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, bq, bk, bv, out, lse)
         ctx.plan, ctx.group, ctx.kernel, ctx.scale, ctx.stats = plan, group, kernel, scale, stats
         ctx.grad_comm_dtype = grad_comm_dtype or ctype
-        return (
-            out[:T].to(q.dtype, copy=True), lse[:T].clone(), out[T:].to(q.dtype, copy=True), lse[T:].clone()
-        )
+        bout, blse = out[M:].to(bq.dtype, copy=True), lse[M:].clone()
+        if q is None:
+            return bout, blse
+        return out[:M].to(q.dtype, copy=True), lse[:M].clone(), bout, blse
 
     @staticmethod
-    def backward(ctx, dout, dlse, dbout, dblse):
+    def backward(ctx, *grads):
         q, k, v, bq, bk, bv, out, lse = ctx.saved_tensors
         plan, group, kernel, scale = ctx.plan, ctx.group, ctx.kernel, ctx.scale
-        C, rank, T = plan.cp_size, plan.rank, plan.local_len
-        ctype, comm_dtype = compute_dtype(q.dtype), ctx.grad_comm_dtype
-        q_all = torch.cat([q, bq]) if bq.shape[0] else q
-        dout_all = torch.cat([dout, dbout]).to(ctype)
-        dlse_all = torch.cat([dlse, dblse]).to(ctype)
-        dq_all = torch.zeros(q_all.shape, dtype=ctype, device=q.device)
+        C, rank, M = plan.cp_size, plan.rank, plan.main_rows
+        ctype, comm_dtype = compute_dtype(k.dtype), ctx.grad_comm_dtype
+        if q is None:
+            q_all, (dout_all, dlse_all) = bq, grads
+            dout_all, dlse_all = dout_all.to(ctype), dlse_all.to(ctype)
+        else:
+            dout, dlse, dbout, dblse = grads
+            q_all = torch.cat([q, bq]) if bq.shape[0] else q
+            dout_all = torch.cat([dout, dbout]).to(ctype)
+            dlse_all = torch.cat([dlse, dblse]).to(ctype)
+        dq_all = torch.zeros(q_all.shape, dtype=ctype, device=k.device)
         dbk = torch.zeros(bk.shape, dtype=ctype, device=bk.device)
         dbv = torch.zeros(bv.shape, dtype=ctype, device=bv.device)
 
@@ -388,14 +414,18 @@ class _CPBranchAttention(torch.autograd.Function):
                 next_kv = kv_comm.send_recv(kv)
                 kv_comm.commit()
             src = (rank - step) % C
-            dq_b, dk_b, dv_b = kernel.backward(dout_all, q_all, kv[0], kv[1], out, lse, plan.ring_masks[src], scale, dlse_all)
-            dq_all += dq_b
+            mask = plan.ring_masks[src]
+            if mask.tiles:
+                dq_b, dk_b, dv_b = kernel.backward(dout_all, q_all, kv[0], kv[1], out, lse, mask, scale, dlse_all)
+                dq_all += dq_b
+                block = torch.stack([dk_b, dv_b])
+            else:  # nothing seen in that shard: a zero part, which still travels (the ring must not stall)
+                block = torch.zeros(kv.shape, dtype=ctype, device=k.device)
             if step == 0 and plan.intra_mask is not None:
                 dbq_b, dbk, dbv = _intra_backward(
-                    kernel, dout_all[T:], bq, bk, bv, out[T:], lse[T:], plan, scale, dlse_all[T:]
+                    kernel, dout_all[M:], bq, bk, bv, out[M:], lse[M:], plan, scale, dlse_all[M:]
                 )
-                dq_all[T:] += dbq_b
-            block = torch.stack([dk_b, dv_b])
+                dq_all[M:] += dbq_b
             if step == 0:
                 own_dkv = block  # our own shard: kept here until its visitors' sum comes home
             else:
@@ -415,9 +445,10 @@ class _CPBranchAttention(torch.autograd.Function):
         dkv = own_dkv
         if ctx.stats is not None and C > 1:
             ctx.stats.bytes_sent_backward += kv_comm.bytes_sent + dkv_comm.bytes_sent
+        dq = None if q is None else dq_all[:M].to(q.dtype)
         return (
-            dq_all[:T].to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
-            dq_all[T:].to(bq.dtype), dbk.to(bk.dtype), dbv.to(bv.dtype),
+            dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype),
+            dq_all[M:].to(bq.dtype), dbk.to(bk.dtype), dbv.to(bv.dtype),
             None, None, None, None, None, None,
         )
 
@@ -428,7 +459,7 @@ def _check(name: str, t: torch.Tensor, shape: tuple, hint: str) -> None:
 
 
 def cp_branch_attention(
-    q: torch.Tensor,
+    q: Optional[torch.Tensor],
     k: torch.Tensor,
     v: torch.Tensor,
     bq: Optional[torch.Tensor],
@@ -442,7 +473,7 @@ def cp_branch_attention(
     stats: Optional[CPStats] = None,
     max_tile: int = DEFAULT_MAX_TILE,
     grad_comm_dtype: Optional[torch.dtype] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Branch attention over a CP group; same meaning as dense_branch_attention, on local shards.
 
     q (L, H, D), k and v (L, Hk, D): this rank's zigzag shard of the main tensors
@@ -453,6 +484,15 @@ def cp_branch_attention(
     torch.distributed is not initialised, which means CP = 1). Its size must equal layout.cp_size.
     Returns out (L, H, D), lse (L, H), bout (Lb, H, D), blse (Lb, H); all ranks must call it (and
     its backward) together.
+
+    q=None: no main queries (the main rows only provide keys and values, as in the block drafters
+    and EAGLE-3's passes 1..k-1). Returns (None, None, bout, blse), the same branch outputs as with
+    any q; only the branch query tiles are computed (ring and branch-local), and the backward gives
+    the gradients that flow from them (dK/dV of the main keys from branch queries, dQ/dK/dV of the
+    branches). K/V and dK/dV still go round the whole ring (same bytes as with q). bq, bk, bv must
+    then be tensors, with 0 rows on a rank that owns no branch: that rank still takes part in the
+    ring, forward and backward, so its (empty) bout must reach the loss like every rank's.
+
     dtypes: fp32, bf16, fp16 (computed in fp32) and fp64 (computed in fp64 end to end).
     grad_comm_dtype: dtype of the dK/dV partial sums that travel the ring in the backward; None
     (default) sends them in the compute dtype (fp32; fp64 for fp64 inputs). torch.bfloat16 halves
@@ -464,32 +504,80 @@ def cp_branch_attention(
             f"the CP group has {size} ranks but layout.cp_size is {layout.cp_size}; "
             f"build the layout for this group (layout.with_cp({size}))"
         )
-    if q.dim() != 3:
-        raise ValueError(f"q must be (tokens, heads, head_dim), got shape {tuple(q.shape)}")
-    L, H, D = q.shape
+    return _branch_attention(q, k, v, bq, bk, bv, layout, group, rank, softmax_scale, kernel, stats, max_tile,
+                             grad_comm_dtype)
+
+
+def local_branch_attention(
+    q: Optional[torch.Tensor],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bq: Optional[torch.Tensor],
+    bk: Optional[torch.Tensor],
+    bv: Optional[torch.Tensor],
+    layout: BranchLayout,
+    *,
+    softmax_scale: Optional[float] = None,
+    kernel: Optional[BlockKernel] = None,
+    stats: Optional[CPStats] = None,
+    max_tile: int = DEFAULT_MAX_TILE,
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """cp_branch_attention at CP = 1 without any process group (also when torch.distributed is
+    initialised for something else): layout.cp_size must be 1, the tensors are the full packed ones.
+    The same tiles (block-diagonal branch-local attention, exact trunk tiles), q=None included."""
+    if layout.cp_size != 1:
+        raise ValueError(f"local_branch_attention runs CP = 1 layouts; layout.cp_size is {layout.cp_size} "
+                         "(use cp_branch_attention with the CP group)")
+    return _branch_attention(q, k, v, bq, bk, bv, layout, None, 0, softmax_scale, kernel, stats, max_tile, None)
+
+
+def _branch_attention(q, k, v, bq, bk, bv, layout: BranchLayout, group, rank: int, softmax_scale, kernel, stats,
+                      max_tile: int, grad_comm_dtype):
+    L = layout.local_len
+    Lb = layout.local_branch_tokens(rank)
+    hint = f"rank {rank} owns {layout.local_branches(rank).numel()} branches with layout.local_branch_tokens({rank}) = {Lb} tokens"
+    if q is None:
+        if bq is None or bk is None or bv is None:
+            raise ValueError(
+                "q=None (no main queries) needs bq, bk and bv as tensors, with 0 rows on a rank that owns no "
+                "branch (bq (0, H, D), bk and bv (0, Hk, D)): that rank still takes part in the ring, forward and backward"
+            )
+        if bq.dim() != 3:
+            raise ValueError(f"bq must be (tokens, heads, head_dim), got shape {tuple(bq.shape)}")
+        first, (H, D) = bq, bq.shape[1:]
+    else:
+        if q.dim() != 3:
+            raise ValueError(f"q must be (tokens, heads, head_dim), got shape {tuple(q.shape)}")
+        first, (H, D) = q, q.shape[1:]
     Hk = k.shape[1] if k.dim() == 3 else -1
-    _check("q", q, (layout.local_len, H, D), f"rank {rank}'s zigzag shard holds layout.local_len = {layout.local_len} rows")
-    _check("k", k, (L, Hk, D), "same rows and head_dim as q")
+    if q is not None:
+        _check("q", q, (L, H, D), f"rank {rank}'s zigzag shard holds layout.local_len = {L} rows")
+    _check("k", k, (L, Hk, D), "same rows and head_dim as q" if q is not None else
+           f"rank {rank}'s zigzag shard holds layout.local_len = {L} rows; same head_dim as bq")
     _check("v", v, (L, Hk, D), "same shape as k")
     if H % Hk:
         raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({Hk})")
-    Lb = layout.local_branch_tokens(rank)
     if bq is None and bk is None and bv is None:
         bq, bk, bv = q.new_zeros(0, H, D), k.new_zeros(0, Hk, D), v.new_zeros(0, Hk, D)
     elif bq is None or bk is None or bv is None:
         raise ValueError("bq, bk and bv must be given together (or all None when this rank owns no branch)")
-    hint = f"rank {rank} owns {layout.local_branches(rank).numel()} branches with layout.local_branch_tokens({rank}) = {Lb} tokens"
     _check("bq", bq, (Lb, H, D), hint)
     _check("bk", bk, (Lb, Hk, D), hint)
     _check("bv", bv, (Lb, Hk, D), hint)
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"q is {q.dtype}; cp_branch_attention takes {', '.join(map(str, SUPPORTED_DTYPES))}")
+    if first.dtype not in SUPPORTED_DTYPES:
+        name = "q" if q is not None else "bq"
+        raise TypeError(f"{name} is {first.dtype}; cp_branch_attention takes {', '.join(map(str, SUPPORTED_DTYPES))}")
     if grad_comm_dtype is not None and (not isinstance(grad_comm_dtype, torch.dtype) or not grad_comm_dtype.is_floating_point):
         raise TypeError(f"grad_comm_dtype must be None or a floating torch.dtype, got {grad_comm_dtype!r}")
+    ref = "q" if q is not None else "bq"
     for name, t in (("k", k), ("v", v), ("bq", bq), ("bk", bk), ("bv", bv)):
-        if t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name} is {t.dtype} on {t.device}; q is {q.dtype} on {q.device} (all must match)")
-    kernel = default_kernel(q.device) if kernel is None else kernel
-    plan = ring_plan(layout, rank, q.device, max_tile, getattr(kernel, "tile_cost_pairs", DEFAULT_TILE_COST_PAIRS))
+        if t.dtype != first.dtype or t.device != first.device:
+            raise ValueError(f"{name} is {t.dtype} on {t.device}; {ref} is {first.dtype} on {first.device} (all must match)")
+    kernel = default_kernel(first.device) if kernel is None else kernel
+    plan = ring_plan(layout, rank, first.device, max_tile, getattr(kernel, "tile_cost_pairs", DEFAULT_TILE_COST_PAIRS),
+                     main_queries=q is not None)
     scale = D**-0.5 if softmax_scale is None else float(softmax_scale)
-    return _CPBranchAttention.apply(q, k, v, bq, bk, bv, plan, group, kernel, scale, stats, grad_comm_dtype)
+    res = _CPBranchAttention.apply(q, k, v, bq, bk, bv, plan, group, kernel, scale, stats, grad_comm_dtype)
+    if q is None:
+        return (None, None) + tuple(res)
+    return res

@@ -17,6 +17,8 @@ from cotrain.parallel import (
     BranchLayout,
     CPStats,
     TorchBlockKernel,
+    anchor_owner,
+    branch_attention_mask,
     cp_branch_attention,
     cu_seqlens_from_lengths,
     default_kernel,
@@ -98,6 +100,13 @@ def make_layout(case: Case, cp_size: int) -> BranchLayout:
         return eagle3_ttt_layout(cu, 4, window=case.window, cp_size=cp_size)
     if case.family == "dflash":
         return dflash_layout(cu, sample_anchors(cu, 3, g), 4, window=case.window, cp_size=cp_size)
+    if case.family == "dflash_last_rank":
+        # Blocks only at positions the last rank holds: every other rank owns no branch (at CP > 1),
+        # yet holds trunk keys those blocks see (its dK/dV come back over the ring).
+        T = int(cu[-1])
+        mine = torch.nonzero(anchor_owner(cu, torch.arange(T), cp_size) == cp_size - 1).squeeze(1)
+        pick = mine[torch.randperm(mine.numel(), generator=g)[: 2 * (len(case.seqlens))]]
+        return dflash_layout(cu, torch.sort(pick).values, 3, window=case.window, cp_size=cp_size)
     if case.family == "dflash_all":  # a block at every position (the drafters' acceptance estimate)
         return dflash_layout(cu, torch.arange(int(cu[-1])), 3, window=case.window, cp_size=cp_size)
     if case.family == "dspark":
@@ -169,9 +178,7 @@ def run_case(case: Case, rank: int, cp_size: int, group=None) -> dict:
     local += [shard_branches(t, layout, rank).to(dtype) for t in (bq, bk, bv)]
     local = [t.requires_grad_() for t in local]
     stats = CPStats()
-    kernel = {"default": None, "torch": TorchBlockKernel(), "exact": default_kernel(), "exact_torch": TorchBlockKernel()}[case.kernel]
-    if case.kernel.startswith("exact"):
-        kernel.tile_cost_pairs = 0
+    kernel = _kernel(case)
     grad_comm = getattr(torch, case.grad_comm) if case.grad_comm else None
     out = cp_branch_attention(*local, layout, group, stats=stats, max_tile=case.max_tile, kernel=kernel,
                               grad_comm_dtype=grad_comm)
@@ -202,6 +209,79 @@ def run_case(case: Case, rank: int, cp_size: int, group=None) -> dict:
     result["pad_out"] = float(out[0][pad].abs().max()) if pad.any() else 0.0
     result["pad_lse_all_neg_inf"] = bool(torch.isneginf(out[1][pad]).all()) if pad.any() else True
     result["pad_grad"] = max(float(t.grad[pad].abs().max()) if pad.any() else 0.0 for t in local[:3])
+    result["stats"] = stats
+    return result
+
+
+# Cases run again without main queries (q=None): branch outputs and the gradients that flow from them.
+NO_MAIN_CASES = [c for c in CASES if c.family != "main" and c.name in {
+    "eagle3", "eagle3_window_tiles", "dflash", "dflash_window", "dflash_mha_tiles", "dspark",
+    "custom_inclusive_full_window", "dflash_fused_bwd", "eagle3_torch_kernel", "bf16_dflash", "fp16_dflash",
+    "dflash_bf16_grad_comm", "eagle3_all_exact", "eagle3_exact_torch", "dflash_all_exact", "dflash_exact_window",
+    "fp64_dflash_window", "fp64_eagle3_tiles",
+}] + [
+    Case("dflash_last_rank", "dflash_last_rank", seed=14),
+    Case("dflash_last_rank_exact", "dflash_last_rank", kernel="exact", lse_grad=False, seed=15),
+    Case("dflash_last_rank_window_torch", "dflash_last_rank", window=4, kernel="torch", max_tile=5, seed=16),
+    Case("no_branches", "main", seed=17),  # every rank owns no branch: empty outputs, zero dK/dV, no deadlock
+]
+
+
+def _kernel(case: Case):
+    kernel = {"default": None, "torch": TorchBlockKernel(), "exact": default_kernel(), "exact_torch": TorchBlockKernel()}[case.kernel]
+    if case.kernel.startswith("exact"):
+        kernel.tile_cost_pairs = 0
+    return kernel
+
+
+def run_case_no_main(case: Case, rank: int, cp_size: int, group=None) -> dict:
+    """cp_branch_attention(q=None, ...) against the oracle's branch rows, the loss on branch outputs only."""
+    layout = make_layout(case, cp_size)
+    (q, k, v, bq, bk, bv), (_, _, w_bout, w_blse) = make_inputs(case, layout)
+    H, Hk = case.heads
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v, bq, bk, bv)]
+    ref = dense_branch_attention(*ref_in, layout)
+    ((ref[2] * w_bout).sum() + (ref[3] * w_blse).sum()).backward()
+
+    dtype = getattr(torch, case.dtype)
+    real = layout.zigzag_index(rank) >= 0
+    gpad = torch.Generator().manual_seed(78 + rank)
+
+    def main_shard(x):
+        s = zigzag_shard(x, layout, rank)
+        s[~real] = torch.randn(s[~real].shape, generator=gpad, dtype=s.dtype)  # must stay inert
+        return s
+
+    local = [main_shard(t).to(dtype) for t in (k, v)]
+    # Branch tensors always (0 rows on a rank that owns no branch): q=None takes them as the queries.
+    local += [shard_branches(t, layout, rank).reshape(-1, *t.shape[1:]).to(dtype) for t in (bq, bk, bv)]
+    local = [t.requires_grad_() for t in local]
+    stats = CPStats()
+    grad_comm = getattr(torch, case.grad_comm) if case.grad_comm else None
+    out, lse, bout, blse = cp_branch_attention(None, *local, layout, group, stats=stats, max_tile=case.max_tile,
+                                               kernel=_kernel(case), grad_comm_dtype=grad_comm)
+    w = [shard_branches(w_bout, layout, rank).reshape(-1, H, HEAD_DIM), shard_branches(w_blse, layout, rank).reshape(-1, H)]
+    ((bout.double() * w[0]).sum() + (blse.double() * w[1]).sum()).backward()
+
+    names = ["bout", "blse", "dk", "dv", "dbq", "dbk", "dbv"]
+    got = [bout.detach(), blse.detach(), local[0].grad[real], local[1].grad[real], local[2].grad, local[3].grad,
+           local[4].grad]
+    expect = [shard_branches(ref[2].detach(), layout, rank), shard_branches(ref[3].detach(), layout, rank),
+              zigzag_shard(ref_in[1].grad, layout, rank)[real], zigzag_shard(ref_in[2].grad, layout, rank)[real]]
+    expect += [shard_branches(t.grad, layout, rank) for t in ref_in[3:]]
+    result = {"abs": {}, "excess": {}, "main_is_none": out is None and lse is None}
+    for name, a, b in zip(names, got, expect):
+        b = b.reshape(a.shape)
+        result["abs"][name] = _max_err(a, b)
+        result["excess"][name] = _max_excess(a, b, 0.0, 2.5e-2)
+    pad = ~real
+    result["pad_grad"] = max(float(t.grad[pad].abs().max()) if pad.any() else 0.0 for t in local[:2])
+    result["local_branch_tokens"] = layout.local_branch_tokens(rank)
+    result["dkv_nonzero"] = bool(local[0].grad.abs().sum() > 0)
+    # The pairs the oracle's mask allows the rank's branch queries (trunk keys + own block).
+    T = layout.total_len
+    rows = T + layout.local_branch_token_index(rank)
+    result["oracle_pairs"] = int(branch_attention_mask(layout.with_cp(1))[rows].sum())
     result["stats"] = stats
     return result
 
@@ -268,6 +348,7 @@ def worker(rank: int, cp_size: int, cases: list[Case] = CASES) -> dict:
     results = {"cases": {}, "bytes": {}, "bytes_bf16_grad_comm": {}, "balance": {}}
     for case in cases:
         results["cases"][case.name] = run_case(case, rank, cp_size)
+    results["no_main"] = {case.name: run_case_no_main(case, rank, cp_size) for case in NO_MAIN_CASES}
     for num_blocks, block_size in [(0, 1), (1, 4), (3, 4), (6, 16)]:
         for dtype in ("float32", "bfloat16", "float64"):
             results["bytes"][(num_blocks, block_size, dtype)] = bytes_case(rank, cp_size, num_blocks, block_size, dtype)

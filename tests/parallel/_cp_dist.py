@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import socket
@@ -20,8 +21,11 @@ def free_port() -> int:
 
 def _entry(rank: int, fn, world_size: int, port: int, outdir: str, args: tuple) -> None:
     torch.set_num_threads(1)
+    # A rank that skips a collective (e.g. one with no branches skipping the ring) makes the others
+    # wait: fail after minutes instead of gloo's default half hour.
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=300),
     )
     try:
         result = fn(rank, world_size, *args)

@@ -195,3 +195,45 @@ def test_repeat_causal_tile_fused_matches_torch_kernel(dtype):
     dout = torch.randn(out_r.shape, generator=g)
     for a, b in zip(fused.backward(dout, q, k, v, out_r, lse_r, mask, 0.3), ref.backward(dout, q, k, v, out_r, lse_r, mask, 0.3)):
         assert torch.allclose(a, b, atol=tol * 4), float((a - b).abs().max())
+
+
+def _plan_pairs(plan):
+    masks = plan.ring_masks + ([plan.intra_mask] if plan.intra_mask is not None else [])
+    return sum(m.pairs_computed() for m in masks), sum(m.pairs_allowed() for m in masks)
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+@pytest.mark.parametrize("tile_cost_pairs", [0, 2048])
+def test_no_main_queries_plan_is_the_full_plan_minus_the_trunk(cp_size, tile_cost_pairs):
+    # q=None's plan (main_queries=False) holds the branch rows only; its work is exactly the full
+    # plan's minus the trunk's (the trunk-only layout's plan), computed and allowed; its allowed
+    # pairs are the oracle mask's branch rows, and with exact tiles (cost 0) nothing more is computed.
+    for name, layout in {**_ring_layouts(cp_size), **{f"w_{k}": v for k, v in _layouts(cp_size).items()}}.items():
+        trunk = layout.subset([])
+        T = layout.total_len
+        branch_rows = branch_attention_mask(layout.with_cp(1))[T:]
+        for rank in range(cp_size):
+            kw = dict(max_tile=64, tile_cost_pairs=tile_cost_pairs)
+            full = _plan_pairs(ring_plan(layout, rank, **kw))
+            no_main_plan = ring_plan(layout, rank, main_queries=False, **kw)
+            no_main = _plan_pairs(no_main_plan)
+            only_trunk = _plan_pairs(ring_plan(trunk, rank, **kw))
+            assert full == (no_main[0] + only_trunk[0], no_main[1] + only_trunk[1]), (name, rank)
+            Lb = layout.local_branch_tokens(rank)
+            assert no_main_plan.main_rows == 0 and all(t.q1 <= Lb for m in no_main_plan.ring_masks for t in m.tiles)
+            allowed = int(branch_rows[layout.local_branch_token_index(rank)].sum())
+            assert no_main[1] == allowed, (name, rank)
+            if tile_cost_pairs == 0:
+                assert no_main[0] == allowed, (name, rank, no_main[0], allowed)
+
+
+def test_no_main_queries_on_the_drafters_workload_skip_the_trunk():
+    # One sequence of 4096 tokens with 4 DFlash blocks of 16 (the numbers): the trunk is
+    # 4096 * 4097 / 2 pairs, the blocks at most 4 * 16 * (4096 + 16); q=None computes only the latter.
+    cu = cu_seqlens_from_lengths([4096])
+    layout = dflash_layout(cu, [1000, 2000, 3000, 4000], 16)
+    full = _plan_pairs(ring_plan(layout, 0, tile_cost_pairs=0))
+    no_main = _plan_pairs(ring_plan(layout, 0, tile_cost_pairs=0, main_queries=False))
+    branch = 16 * (1000 + 2000 + 3000 + 4000) + 4 * 16 * 16
+    assert no_main == (branch, branch)
+    assert full[0] == branch + 4096 * 4097 // 2
