@@ -14,7 +14,9 @@ Conventions (all drafters):
   Losses (:mod:`cotrain.draft.losses`) and the acceptance estimator
   (:mod:`cotrain.draft.acceptance`) work on chains only, so they are family independent.
 - Attention goes through :func:`branch_attention`: ``dense_branch_attention`` when the layout is
-  for CP = 1, ``cp_branch_attention`` over a process group otherwise. Under CP > 1 every
+  for CP = 1, ``cp_branch_attention`` over a process group otherwise; with no main queries
+  (``q=None``: DFlash/DSpark, EAGLE-3's passes 1..k-1) only the branch tiles are computed
+  (``local_branch_attention`` at CP = 1). Under CP > 1 every
   drafter consumes its rank's zigzag shard of the trunk (taps rows ``layout.local_len``) and the
   branches whose anchors it owns; token ids stay global (every rank has them).
 """
@@ -29,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cotrain.parallel import BranchLayout, cp_branch_attention, dense_branch_attention
+from cotrain.parallel import BranchLayout, cp_branch_attention, dense_branch_attention, local_branch_attention
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -217,6 +219,11 @@ class BranchAttention:
     sequences of at most ``bucket_tokens`` main + branch tokens each. Sequences never see each
     other, so this is the same result as one dense call on the whole batch, at a cost linear in
     the number of sequences instead of quadratic in the packed length.
+    No main queries (``q=None``; the main rows only give keys and values): only the branch queries'
+    tiles are computed, by ``cp_branch_attention(None, ...)`` over the group (CP > 1) or
+    ``local_branch_attention(None, ...)`` (CP = 1: exact trunk tiles and block-diagonal branch
+    attention, no dense mask); the call returns ``(None, bout)``. bq/bk/bv must then be tensors
+    (0 rows on a CP rank that owns no branch, which still takes part in the ring).
     """
 
     def __init__(self, layout: BranchLayout, group=None, bucket_tokens: int = 128):
@@ -251,8 +258,15 @@ class BranchAttention:
             self.buckets.append((sub, cu[s0], cu[s1], offs[b0], offs[b1]))
             s0 = s1
 
-    def __call__(self, q, k, v, bq, bk, bv) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out, bout): main and branch outputs (bq/bk/bv None when there are no branch tokens)."""
+    def __call__(self, q, k, v, bq, bk, bv) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """(out, bout): main and branch outputs (bq/bk/bv None when there are no branch tokens);
+        q=None: no main queries, out is None (see the class docstring)."""
+        if q is None:
+            if self.ring:
+                _, _, bout, _ = cp_branch_attention(None, k, v, bq, bk, bv, self.layout, self.group)
+            else:
+                _, _, bout, _ = local_branch_attention(None, k, v, bq, bk, bv, self.layout)
+            return None, bout
         if self.ring:
             out, _, bout, _ = cp_branch_attention(q, k, v, bq, bk, bv, self.layout, self.group)
             return out, bout

@@ -121,7 +121,7 @@ class BlockDrafter(Drafter):
     def backbone(self, batch: DraftBatch, layout: BranchLayout, group=None):
         """Block hidden states (NB, B, H) after the final norm, plus the local anchors and block ids."""
         a = self.target_arch
-        D, nh = a.head_dim, a.num_heads
+        D = a.head_dim
         B = self.block_size
         T = batch.num_tokens
         C = layout.cp_size
@@ -146,14 +146,15 @@ class BlockDrafter(Drafter):
         bpos = batch.positions[anchors][:, None] + torch.arange(B)[None, :]
         cos_b, sin_b = rope_cos_sin(bpos.reshape(-1), D, a.rope_theta)
         resid = self.embed(ids.reshape(-1)).to(taps.dtype)
-        q_main = taps.new_zeros(rows.numel(), nh, D)
+        # No decoder layer runs on the context: its rows give keys/values only, so branch attention
+        # runs without main queries (q=None): only the blocks' tiles are computed.
         attn = BranchAttention(layout, group)
         for layer in self.layers:
             kc, vc = layer.self_attn.kv(ctx, cos_c, sin_c)
             x = layer.input_layernorm(resid)
             q = layer.self_attn.q(x, cos_b, sin_b)
             kb, vb = layer.self_attn.kv(x, cos_b, sin_b)
-            _, bout = attn(q_main, kc, vc, q, kb, vb)
+            _, bout = attn(None, kc, vc, q, kb, vb)
             resid = resid + layer.self_attn.out(bout)
             resid = resid + layer.mlp(layer.post_attention_layernorm(resid))
         hidden = self.norm(resid).view(NB, B, resid.shape[-1])

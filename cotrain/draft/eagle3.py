@@ -12,8 +12,9 @@ the prenorm output of pass t-1 at p, sits at RoPE position p+t and predicts x_{p
 to pass 0's keys at positions <= p and to passes 1..t at p - the layout
 ``eagle3_ttt_layout`` (context="inclusive", intra="causal"), exactly what vLLM's drafter sees when
 it drafts k tokens after bonus token x_{p+1}. The passes run one after another (pass t needs pass
-t-1's output); every pass calls branch attention with the same layout, the not-yet-computed passes
-zero (intra="causal" hides them), so under CP the ring plan is built once.
+t-1's output); passes 1..k-1 call branch attention with the same layout, the not-yet-computed
+passes zero (intra="causal" hides them), and without main queries (the trunk gives keys/values
+only: ``q=None``), so under CP their ring plan is built once; pass 0 attends over the trunk alone.
 
 Chains: the chain at anchor p has bonus position p+1 and k drafts (pass t = draft t).
 """
@@ -153,9 +154,11 @@ class Eagle3Drafter(Drafter):
 
         cos0, sin0 = rope_cos_sin(pos[r], D, a.rope_theta)
         emb0 = self.embed(tok0)
-        zeros_b = taps.new_zeros(nbt, nh, D)
-        zeros_bkv = taps.new_zeros(nbt, nkv, D)
 
+        # pass 0 has main queries and no branch query yet: it attends over the trunk alone (the
+        # layout without its branches; main tokens never see branch tokens, so nothing changes but the
+        # work); passes 1..k-1 have branch queries only (q=None below)
+        attn0 = BranchAttention(layout.subset([]), group)
         attn = BranchAttention(layout, group)
         # pass 0 (the trunk)
         resid = self.fc(taps)
@@ -165,15 +168,13 @@ class Eagle3Drafter(Drafter):
             q = layer.self_attn.q(x, cos0, sin0)
             kk, vv = layer.self_attn.kv(x, cos0, sin0)
             trunk_kv.append((kk, vv))
-            out, _ = attn(q, kk, vv, zeros_b if nbt else None, zeros_bkv if nbt else None,
-                          zeros_bkv if nbt else None)
+            out, _ = attn0(q, kk, vv, None, None, None)
             resid = layer.finish(resid, out)
         prenorm = resid[arow]
         logits = [self._logits(prenorm)]
 
         # passes 1..k-1 (the branches)
         branch_kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.layers]
-        q_main = taps.new_zeros(rows.numel(), nh, D)
         apos = pos[anchors]
         aend = end[anchors]
         for t in range(1, k):
@@ -190,7 +191,8 @@ class Eagle3Drafter(Drafter):
                 bq = self._place(q, t, k, nh, D)
                 bk = self._stack([kv[0] for kv in branch_kv[li]], k, nkv, D)
                 bv = self._stack([kv[1] for kv in branch_kv[li]], k, nkv, D)
-                _, bout = attn(q_main, trunk_kv[li][0], trunk_kv[li][1], bq, bk, bv)
+                # the trunk gives keys/values only here: no main queries (q=None)
+                _, bout = attn(None, trunk_kv[li][0], trunk_kv[li][1], bq, bk, bv)
                 resid = layer.finish(resid, bout.view(NB, k - 1, nh, D)[:, t - 1])
             prenorm = resid
             logits.append(self._logits(prenorm))

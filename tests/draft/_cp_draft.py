@@ -25,12 +25,22 @@ def make_batch(drafter, seed=0):
     return DraftBatch(ids, cu, taps, pos >= 2, logits, torch.full((len(LENS),), 2))
 
 
-def run_family(kind, target_path, rank, cp, group=None):
-    """Chains (bonus, logits, valid) and grads of a soft-CE step (normalised by the global count)."""
+def run_family(kind, target_path, rank, cp, group=None, blocks_on_rank=None):
+    """Chains (bonus, logits, valid) and grads of a soft-CE step (normalised by the global count).
+
+    blocks_on_rank (block drafters): anchors only among the candidates that CP rank (of a CP = 2
+    layout) holds, the same anchors at any cp: the other rank owns no block."""
     target = TargetSpec.from_checkpoint(target_path)
     d = build_drafter(kind, SETTINGS[kind], target, seed=3)
     full = make_batch(d)
-    layout = d.build_layout(full, torch.Generator().manual_seed(11), cp_size=cp)
+    if blocks_on_rank is None:
+        layout = d.build_layout(full, torch.Generator().manual_seed(11), cp_size=cp)
+    else:
+        from cotrain.parallel import anchor_owner
+
+        cand = d.anchor_candidates(full)
+        anchors = cand[anchor_owner(full.cu_seqlens, cand, 2) == blocks_on_rank][::2]
+        layout = d.build_layout(full, cp_size=cp, anchors=anchors)
     if cp > 1:
         batch = DraftBatch(full.input_ids, full.cu_seqlens, zigzag_shard(full.taps, layout, rank), full.loss_mask,
                            None, full.response_start)
@@ -41,7 +51,7 @@ def run_family(kind, target_path, rank, cp, group=None):
     # rows its chains need from their owners
     if cp > 1:
         local_logits = zigzag_shard(full.target_logits, layout, rank)
-        rows = fetch_rows(local_logits, out.target_rows, layout, group).view(*out.target_rows.shape, -1)
+        rows = fetch_rows(local_logits, out.target_rows, layout, group).view(*out.target_rows.shape, local_logits.shape[-1])
         ref_rows = full.target_logits[out.target_rows.clamp(min=0)] * out.valid[..., None]
         assert torch.equal(rows * out.valid[..., None], ref_rows)
     else:
@@ -64,6 +74,14 @@ def run_family(kind, target_path, rank, cp, group=None):
 def rank_fn(rank, world, target_path):
     torch.manual_seed(0)
     return {kind: run_family(kind, target_path, rank, world, group=None) for kind in SETTINGS}
+
+
+def rank_fn_blocks_on_one_rank(rank, world, target_path, owner):
+    """The block drafters with every anchor on rank `owner`: the other rank has no chain at all, yet
+    takes part in branch attention's ring (forward and backward) through its empty block outputs."""
+    torch.manual_seed(0)
+    return {kind: run_family(kind, target_path, rank, world, group=None, blocks_on_rank=owner)
+            for kind in ("dflash", "dspark")}
 
 
 # ----------------------------------------------------------------------------- a gloo world

@@ -27,3 +27,23 @@ def test_cp2_matches_cp1(tiny_model_path, one_thread):
         for name, g in ref["grads"].items():
             total = sum(r[kind]["grads"][name] for r in ranks)
             torch.testing.assert_close(total, g, atol=5e-5, rtol=5e-4, msg=f"{kind} {name}")
+
+
+@pytest.mark.parametrize("owner", [0, 1])
+def test_cp2_rank_without_blocks_matches_cp1(tiny_model_path, one_thread, owner):
+    # Block drafters run branch attention without main queries; a rank that owns no block still
+    # joins the ring (its trunk keys are seen by the other rank's blocks) and gets their gradients.
+    import _cp_draft
+
+    ranks = _cp_draft.run_world(_cp_draft.rank_fn_blocks_on_one_rank, 2, str(tiny_model_path), owner)
+    for kind in ("dflash", "dspark"):
+        ref = _cp_draft.run_family(kind, str(tiny_model_path), 0, 1, blocks_on_rank=owner)
+        assert ranks[1 - owner][kind]["bonus"].numel() == 0 and ranks[owner][kind]["bonus"].numel() > 0, kind
+        assert torch.equal(ranks[owner][kind]["bonus"], ref["bonus"]), kind
+        torch.testing.assert_close(ranks[owner][kind]["logits"], ref["logits"], atol=2e-5, rtol=2e-5)
+        for name, g in ref["grads"].items():
+            total = ranks[0][kind]["grads"][name] + ranks[1][kind]["grads"][name]
+            torch.testing.assert_close(total, g, atol=5e-5, rtol=5e-4, msg=f"{kind} {name}")
+        # the rank without blocks still contributes: the context K/V projections it holds get gradients
+        idle = ranks[1 - owner][kind]["grads"]
+        assert any(float(g.abs().sum()) > 0 for n, g in idle.items() if "k_proj" in n or "v_proj" in n), kind

@@ -124,6 +124,53 @@ def test_bucketed_dense_attention_equals_one_dense_call(drafters):
     torch.testing.assert_close(bout, bref, atol=1e-5, rtol=1e-5)
 
 
+def test_branch_attention_without_main_queries_equals_dense_branch_rows(drafters):
+    # q=None (block drafters, EAGLE-3's passes 1..k-1): the dense oracle's branch outputs, and the
+    # gradients that flow from them (loss on the branch outputs only), with no main query computed.
+    for kind in ("eagle3", "dflash"):
+        d = drafters[kind]
+        b = batch_for(d, lens=(30, 5, 17, 40))
+        lay = d.build_layout(b, torch.Generator().manual_seed(0))
+        g = torch.Generator().manual_seed(4)
+        T, NB = lay.total_len, lay.total_branch_tokens
+        base = [torch.randn(n, h, 32, generator=g) for n, h in [(T, 4), (T, 2), (T, 2), (NB, 4), (NB, 2), (NB, 2)]]
+        w = torch.randn(NB, 4, 32, generator=g)
+        ref_in = [t.clone().requires_grad_() for t in base]
+        _, _, bref, _ = dense_branch_attention(*ref_in, lay)
+        (bref * w).sum().backward()
+        got_in = [t.clone().requires_grad_() for t in base[1:]]
+        out, bout = BranchAttention(lay)(None, *got_in)
+        assert out is None
+        (bout * w).sum().backward()
+        torch.testing.assert_close(bout, bref, atol=1e-5, rtol=1e-5)
+        for name, a, r in zip(("k", "v", "bq", "bk", "bv"), got_in, ref_in[1:]):
+            torch.testing.assert_close(a.grad, r.grad, atol=1e-5, rtol=1e-5, msg=f"{kind} d{name}")
+
+
+def test_drafters_compute_main_queries_only_where_they_are_used(drafters, monkeypatch):
+    # DFlash/DSpark: no decoder layer on the context, so no main queries in any layer. EAGLE-3: main
+    # queries on pass 0 (over the trunk alone, no branch queries), branch queries only on passes 1..k-1.
+    calls = []
+    call = BranchAttention.__call__
+
+    def spy(self, q, k, v, bq, bk, bv):
+        calls.append((q is not None, bq is not None, self.layout.num_branches > 0))
+        return call(self, q, k, v, bq, bk, bv)
+
+    monkeypatch.setattr(BranchAttention, "__call__", spy)
+    for kind, d in drafters.items():
+        b = batch_for(d)
+        lay = d.build_layout(b, torch.Generator().manual_seed(0))
+        calls.clear()
+        with torch.no_grad():
+            d(b, lay)
+        n = len(d.layers)
+        if kind == "eagle3":
+            assert calls == [(True, False, False)] * n + [(False, True, True)] * (d.num_passes - 1) * n
+        else:
+            assert calls == [(False, True, True)] * n, kind
+
+
 # -------------------------------------------------------------------------- what drafts see
 def _changed(d, b, lay, edit):
     """Per chain and draft: did the logits change after ``edit(batch)``?"""
