@@ -31,6 +31,7 @@ from cotrain.models.megatron_model import (build_gpt_model, gpt_layer_spec, laye
                                            tensor_state, transformer_config)
 from cotrain.rl.batch import TrainBatch
 from cotrain.rl.grpo import aggregate, grpo_token_losses
+from cotrain.rl.sampling_filter import filter_active, keep_mask
 
 from megatron.core import parallel_state as ps  # noqa: E402  (after the compat layer)
 from megatron.core import tensor_parallel  # noqa: E402
@@ -144,15 +145,31 @@ class MegatronPolicyWorker:
 
     # ------------------------------------------------------------------ forward machinery
     def _token_logprobs(self, model, mb: TrainBatch, on_logits=None) -> torch.Tensor:
-        """log pi(target) for every position, [b, S] (vocab-parallel safe). On the last stage
-        ``on_logits`` receives the tempered logits [b, S, V/tp] (detached) first."""
+        """log pi(target) for every position, [b, S] (vocab-parallel safe), pi the distribution the
+        engines sample from: the tempered logits with vLLM's top-k / top-p filter of
+        rollout.sampling (:mod:`cotrain.rl.sampling_filter`: -inf outside the kept set). On the last
+        stage ``on_logits`` receives those filtered tempered logits [b, S, V/tp] (detached) first."""
         pos = torch.arange(mb.seq_len)[None].expand(len(mb), -1)
         logits = model(mb.inputs, pos, None)
         if not ps.is_pipeline_last_stage():
             return logits  # hidden states travelling to the next stage
-        temperature = self.cfg.rollout.sampling.temperature or 1.0
-        logits = logits.float() / temperature
-        if on_logits is not None:
+        s = self.cfg.rollout.sampling
+        logits = logits.float() / (s.temperature or 1.0)
+        if filter_active(s.temperature, s.top_k, s.top_p):
+            tp = ps.get_tensor_model_parallel_world_size()
+            start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
+            keep = keep_mask(logits.detach(), s.top_k, s.top_p, group=ps.get_tensor_model_parallel_group() if tp > 1
+                             else None, vocab_start=start)
+            if on_logits is not None:
+                on_logits(logits.detach().masked_fill(~keep, float("-inf")))
+            # the target always counts, so every log-prob is finite: a prompt token outside the set
+            # (masked out of the loss), or a sampled token the trainer's set misses by a rounding
+            # difference at its edge (then its log-prob is over the set plus itself)
+            local = mb.targets - start
+            mine = (local >= 0) & (local < logits.shape[-1])
+            keep |= torch.zeros_like(keep).scatter_(-1, local.clamp(0, logits.shape[-1] - 1)[..., None], mine[..., None])
+            logits = logits.masked_fill(~keep, float("-inf"))
+        elif on_logits is not None:
             on_logits(logits.detach())
         # [b, S, V/tp] -> -log p(target): Megatron's vocab-parallel cross-entropy handles TP
         return -tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(),
