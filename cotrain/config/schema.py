@@ -217,11 +217,12 @@ class SamplingConfig(StrictModel):
     """Sampling parameters of the rollouts."""
 
     temperature: NonNegFloat = 1.0
-    """Sampling temperature (0 = greedy)."""
+    """Sampling temperature (0 = greedy: top_k / top_p do not apply)."""
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    """Nucleus sampling mass (1 = off)."""
+    """Nucleus sampling mass (1 = off). The trainer's log-probs (and the drafter's target) are of
+    the same filtered distribution: vLLM's kept set of the tempered logits, the rest at -inf."""
     top_k: int = -1
-    """Top-k sampling (-1 = off, else >= 1)."""
+    """Top-k sampling (-1 = off, else >= 1); applied in the trainer's log-probs too, as top_p."""
     max_tokens: PosInt = 32
     """Maximum generated tokens per sample (must be < policy.max_seq_len)."""
 
