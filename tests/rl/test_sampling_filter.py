@@ -140,6 +140,7 @@ def hf_logprobs(model, batch, temperature, top_k, top_p, filtered=True):
     return torch.where(batch.mask.bool(), lp, torch.zeros_like(lp))
 
 
+@pytest.mark.slow  # a vLLM engine (as tests/rl/test_rollout_engine.py)
 @pytest.mark.parametrize("temperature, top_k, top_p, tp", SETTINGS)
 def test_trainer_logprobs_equal_the_engines(engine, hf, tiny_model_path, temperature, top_k, top_p, tp):
     from cotrain.rl.grpo import k3_kl
