@@ -219,7 +219,11 @@ class VllmGeneration(GenerationBackend):
         from cotrain.rl.vllm_ext import push_handle
 
         if kind == "draft":
-            _require_drafter(self.llm.llm_engine.vllm_config.speculative_config)
+            try:
+                _require_drafter(self.llm.llm_engine.vllm_config.speculative_config)
+            except WeightPushError:
+                self.drain(handle)
+                raise
         version = int(handle.get("version", 0) if version is None else version)
         stats = push_handle(self.llm, kind, handle, version)
         if kind == "draft":
@@ -233,8 +237,15 @@ class VllmGeneration(GenerationBackend):
         return self._manifests[kind]
 
     def init_broadcast_group(self, options: dict) -> None:
-        """Join a trainer's broadcast group (``nccl`` transport; see NcclBroadcastTransport)."""
+        """Join a trainer's broadcast group (``nccl`` transport): ``options`` are the fields of
+        vLLM's ``NCCLWeightTransferInitInfo`` (see :meth:`RolloutGroup.init_broadcast_group`)."""
         self.llm.init_weight_transfer_engine({"init_info": {"transport": "nccl", "options": dict(options)}})
+
+    def drain(self, handle: dict) -> None:
+        """Receive and drop an ``nccl`` push this engine will not load (no-op for other transports)."""
+        from cotrain.rl.vllm_ext import drain_broadcast
+
+        drain_broadcast(self.llm, handle)
 
     def status(self) -> dict[str, Any]:
         from cotrain.rl.vllm_ext import engine_status
@@ -278,7 +289,8 @@ class RolloutWorker:
 
     def ready(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "startup_s": self.gen.startup_s, "torch_threads": torch.get_num_threads(),
-                "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+                "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingSpec, n: int = 1,
                  prompt_offset: int = 0) -> GenerationResult:
@@ -298,6 +310,9 @@ class RolloutWorker:
 
     def init_broadcast_group(self, options: dict) -> None:
         self.gen.init_broadcast_group(options)
+
+    def drain(self, handle: dict) -> None:
+        self.gen.drain(handle)
 
     def status(self) -> dict[str, Any]:
         return self.gen.status()
@@ -325,7 +340,8 @@ class RolloutGroup(GenerationBackend):
     against engine 0's expected names/shapes *before any engine changes* (all engines serve the
     same checkpoint), sends them once through ``transport`` (``shm`` by default on CPU: one file
     that every engine on the node reads) and loads them into all engines in parallel.
-    ``push_handle`` forwards a handle a trainer made (GPU transports: cuda_ipc, nccl).
+    ``push_handle`` forwards a handle a trainer made (GPU transports: cuda_ipc, nccl, whose bytes
+    vLLM's own weight-transfer engines move).
     """
 
     def __init__(self, spec: EngineSpec, num_engines: int = 1, *, cpus_per_engine: float = 1,
@@ -427,7 +443,14 @@ class RolloutGroup(GenerationBackend):
         import ray
 
         if not checked:
-            self.check(kind, handle["manifest"])
+            try:
+                self.check(kind, handle["manifest"])
+            except ValueError:  # WeightPushError, or a bad kind
+                if handle.get("transport") == "nccl":
+                    # the trainer is already broadcasting: every engine takes the bytes and drops
+                    # them, so that the sender finishes and the group stays in step
+                    ray.get([a.drain.remote(handle) for a in self.actors])
+                raise
         version = int(handle.get("version", 0) if version is None else version)
         t0 = time.perf_counter()
         refs = [a.push_handle.remote(kind, handle, version) for a in self.actors]
@@ -453,18 +476,23 @@ class RolloutGroup(GenerationBackend):
         return versions[0]
 
     def init_broadcast_group(self, master_addr: str, master_port: int, world_size: int, *,
-                             backend: str = "nccl", first_rank: int = 1) -> list:
-        """Start every engine joining a trainer's broadcast group; returns Ray refs to wait on
-        *after* the trainer side has called ``NcclBroadcastTransport.connect()`` concurrently.
-        Engine ``e`` takes ranks ``first_rank + e * tensor_parallel_size`` onwards."""
+                             wire: dict | None = None, first_rank: int = 1) -> list:
+        """Start every engine joining a trainer's broadcast group (vLLM's NCCL weight-transfer
+        engine in each worker); returns Ray refs to wait on *after* the trainer side has called
+        ``NcclBroadcastTransport.connect()`` concurrently. Engine ``e`` takes ranks
+        ``first_rank + e * tensor_parallel_size`` onwards (vLLM adds each worker's rank within
+        the engine). ``wire`` (packing, buffer sizes) must be the sender's: default
+        :func:`~cotrain.rl.weight_transport.nccl_wire`, as ``NcclBroadcastTransport``'s."""
+        from cotrain.rl.weight_transport import nccl_wire
+
         tp = self.spec.tensor_parallel_size
         need = first_rank + self.num_engines * tp
         if world_size != need:
             raise ValueError(f"world_size={world_size}, but {first_rank} sender rank(s) + {self.num_engines} engines x "
                              f"{tp} workers need {need}")
-        return [a.init_broadcast_group.remote({"master_addr": master_addr, "master_port": int(master_port),
-                                               "world_size": world_size, "rank_offset": first_rank + e * tp,
-                                               "backend": backend})
+        wire = dict(wire) if wire is not None else nccl_wire()
+        return [a.init_broadcast_group.remote({"master_address": master_addr, "master_port": int(master_port),
+                                               "world_size": world_size, "rank_offset": first_rank + e * tp, **wire})
                 for e, a in enumerate(self.actors)]
 
     def status(self) -> list[dict[str, Any]]:

@@ -10,7 +10,11 @@ each worker process, which
   into nested lists). The backend checks the handle's names, shapes and dtypes against the
   checkpoint the engine serves **before touching the model**, and raises
   :class:`~cotrain.rl.weight_transport.WeightPushError` naming the offending tensors; the model
-  and its version label then stay as they were;
+  and its version label then stay as they were. The bytes of ``shm`` handles (CPU) are read by
+  cotrain; ``cuda_ipc`` and ``nccl`` handles carry vLLM's own update payload and are received
+  by vLLM's ``ipc`` / ``nccl`` worker engines (``vllm.distributed.weight_transfer``), which the
+  backend creates beside itself and points at the model being updated (policy or drafter); a
+  rejected ``nccl`` push is still received and dropped, so the broadcast group stays in step;
 * on CPU, replaces vLLM's ``expand_batch_to_tokens`` in the rejection sampler by a pure-torch
   version: the CPU fallback of that kernel writes into a temporary int64 copy and returns
   uninitialised memory, so speculative decoding at temperature > 0 divides the target logits by
@@ -42,16 +46,17 @@ from typing import Any
 import torch
 
 from cotrain.rl.weight_transport import (
-    NcclBroadcastTransport,
-    WeightPushError,
     SHARED_KEYS,
+    VLLM_BACKENDS,
+    WeightPushError,
     WeightTransport,
     check_manifest,
+    check_vllm_handle,
     dtype_name,
-    shared_name_reasons,
     make_transport,
     receiver_for,
-    total_bytes,
+    restore_update_info,
+    shared_name_reasons,
 )
 
 BACKEND_NAME = "cotrain"
@@ -213,6 +218,46 @@ def _draft_start_layer(inner: torch.nn.Module) -> int:
 
 
 # -------------------------------------------------------------------------- transfer engine
+class _LoadRecorder:
+    """Stands in for the model as the target of one of vLLM's worker engines: it forwards each
+    ``load_weights`` batch to the real model (or drops it when draining a rejected broadcast),
+    records the names, and keeps copies of the tensors ``keep`` matches (DFlash's K/V, which
+    the rebuild needs; vLLM's packed receive reuses its buffers)."""
+
+    def __init__(self, model: torch.nn.Module | None, keep: re.Pattern | None = None) -> None:
+        self.model, self.keep = model, keep
+        self.names: list[str] = []
+        self.kept: dict[str, torch.Tensor] = {}
+        self.nbytes = 0
+
+    def load_weights(self, weights):
+        batch = list(weights)
+        for name, t in batch:
+            self.names.append(name)
+            self.nbytes += t.numel() * t.element_size()
+            if self.keep is not None and self.keep.search(name):
+                self.kept[name] = t.detach().clone()
+        if self.model is not None:
+            return self.model.load_weights(iter(batch))
+        return set()
+
+
+def _reload_api():
+    """vLLM's layerwise reload (a seam for the CPU unit tests)."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    return initialize_layerwise_reload, finalize_layerwise_reload
+
+
+def _make_vllm_engine(transport: str, config, vllm_config, device, model):  # pragma: no cover - GPU
+    """vLLM's own worker engine for a GPU transport (``ipc`` / ``nccl`` backend)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    backend = VLLM_BACKENDS[transport]
+    cls = WeightTransferEngineFactory._registry[backend]()
+    return cls(config, vllm_config, device, model)
+
+
 def _make_engine_cls():
     """Defined lazily so that importing this module without vLLM (docs, unit tests) works."""
     from vllm.distributed.weight_transfer.base import (
@@ -223,8 +268,9 @@ def _make_engine_cls():
 
     @dataclass
     class CotrainInitInfo(WeightTransferInitInfo):
-        """``transport``: which receiver to set up (only ``nccl`` needs it: master_addr,
-        master_port, world_size, rank_offset = group rank of this engine's first worker, backend)."""
+        """``transport``: which receiver to set up. Only ``nccl`` needs it: ``options`` =
+        vLLM's ``NCCLWeightTransferInitInfo`` fields (master_address, master_port, rank_offset
+        = the group rank of this engine's first worker, world_size, packed, ...)."""
 
         transport: str = "shm"
         options: dict = field(default_factory=dict)
@@ -234,7 +280,14 @@ def _make_engine_cls():
         handle: dict = field(default_factory=dict)
 
     class CotrainWeightTransferEngine(WeightTransferEngine):
-        """vLLM weight-transfer backend ``cotrain``: one validated, atomic push per ``update_weights``."""
+        """vLLM weight-transfer backend ``cotrain``: one validated, atomic push per ``update_weights``.
+
+        The bytes of ``shm`` handles are read here (vLLM has no CPU transport); ``cuda_ipc`` and
+        ``nccl`` handles carry vLLM's update payload and are received by vLLM's own ``ipc`` /
+        ``nccl`` worker engines, created next to this one and pointed at the model being
+        updated. Either way the handle's manifest is checked first, and the load runs inside
+        vLLM's layerwise reload.
+        """
 
         init_info_cls = CotrainInitInfo
         update_info_cls = CotrainUpdateInfo
@@ -242,29 +295,38 @@ def _make_engine_cls():
 
         def __init__(self, config, vllm_config, device, model) -> None:
             super().__init__(config, vllm_config, device, model)
-            self._receivers: dict[str, WeightTransport] = {}
+            self._vllm: dict[str, Any] = {}  # transport -> vLLM worker engine
             self._manifests: dict[str, dict] = {}
             self._shared: set[str] | None = None
             self.last_push: dict[str, Any] = {}
             self.pushes = 0
+            self.drained = 0
 
         # -- set-up
+        def vllm_engine(self, transport: str):
+            """vLLM's worker engine for ``cuda_ipc`` (made on first use) or ``nccl`` (made by
+            ``init_transfer_engine``)."""
+            if transport not in self._vllm:
+                if transport == "nccl":
+                    raise WeightPushError("an nccl handle reached an engine whose broadcast group was not set up "
+                                          "(RolloutGroup.init_broadcast_group first)")
+                eng = _make_vllm_engine(transport, self.config, self.vllm_config, self.device, self._default_model)
+                eng.init_transfer_engine(eng.parse_init_info({"packed": False}))
+                self._vllm[transport] = eng
+            return self._vllm[transport]
+
         def init_transfer_engine(self, init_info) -> None:
             if init_info.transport == "nccl":
-                from vllm.distributed import get_tensor_model_parallel_rank
-
-                opts = dict(init_info.options)
-                t = NcclBroadcastTransport.from_init_info(opts, get_tensor_model_parallel_rank())
-                t.connect()
-                self._receivers["nccl"] = t
+                eng = _make_vllm_engine("nccl", self.config, self.vllm_config, self.device, self._default_model)
+                eng.init_transfer_engine(eng.parse_init_info(dict(init_info.options)))  # joins the group
+                self._vllm["nccl"] = eng
             elif init_info.transport not in ("shm", "cuda_ipc"):
                 raise WeightPushError(f"init_info.transport={init_info.transport!r} (allowed: shm, cuda_ipc, nccl)")
 
         def shutdown(self) -> None:
-            for t in self._receivers.values():
-                if hasattr(t, "close"):
-                    t.close()
-            self._receivers.clear()
+            for eng in self._vllm.values():
+                eng.shutdown()
+            self._vllm.clear()
 
         # -- what a push must look like
         @property
@@ -299,34 +361,60 @@ def _make_engine_cls():
             if torch.cuda.is_available() and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
 
+        def _vllm_receive(self, handle: dict, target: _LoadRecorder) -> None:
+            eng = self.vllm_engine(handle["transport"])
+            eng.set_weight_update_target(target, self.model_config)
+            try:
+                eng.receive_weights(eng.parse_update_info(restore_update_info(handle["update_info"])))
+            finally:
+                eng.reset_weight_update_target()
+
+        def drain(self, handle: dict) -> None:
+            """Receive an ``nccl`` broadcast and drop it: a rejected push keeps the group in step."""
+            if isinstance(handle, dict) and handle.get("transport") == "nccl" and "nccl" in self._vllm:
+                self._vllm_receive(handle, _LoadRecorder(None))
+                self.drained += 1
+
         def receive_weights(self, update_info) -> None:
             from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-            from vllm.model_executor.model_loader.reload import (
-                finalize_layerwise_reload,
-                initialize_layerwise_reload,
-            )
 
+            initialize_layerwise_reload, finalize_layerwise_reload = _reload_api()
             t0 = time.perf_counter()
             handle = update_info.handle
             kind = "draft" if self.is_draft else "policy"
             if not isinstance(handle, dict) or "manifest" not in handle:
                 raise WeightPushError(f"update_info.handle must be a weight handle dict (got {type(handle).__name__})")
-            expected, shared = self.expected()
-            receiver = receiver_for(handle, self._receivers)
+            transport = handle.get("transport")
             try:
+                if transport in VLLM_BACKENDS:
+                    check_vllm_handle(handle)
+                    self.vllm_engine(transport)  # nccl: the group must exist
+                    receiver = None
+                else:
+                    receiver = receiver_for(handle)
+                expected, shared = self.expected()
                 forbidden = shared_name_reasons([row[0] for row in handle["manifest"]], shared)
                 check_manifest(handle["manifest"], expected, kind=kind, forbidden=forbidden, require_all=True)
             except WeightPushError:
-                if handle.get("transport") == "nccl":
-                    receiver.receive(handle)  # the sender is already broadcasting: drain, keep the group in step
+                self.drain(handle)  # nccl: the sender is already broadcasting
                 raise
-            tensors = receiver.receive(handle)
+            tensors: dict[str, torch.Tensor] = {}
+            if receiver is not None:
+                tensors = receiver.receive(handle)
             t_recv = time.perf_counter()
             # validated: from here on the model changes (vLLM's own layerwise reload, in place)
+            recorder = _LoadRecorder(self.model, _KV_NAME if kind == "draft" else None)
             initialize_layerwise_reload(self.model)
             try:
                 with disable_mtp_completeness_check():
-                    self.model.load_weights(iter(tensors.items()))
+                    if receiver is not None:
+                        recorder.load_weights(iter(tensors.items()))
+                    else:
+                        self._vllm_receive(handle, recorder)  # vLLM moves the bytes, recorder loads them
+                names = [row[0] for row in handle["manifest"]]
+                if sorted(recorder.names) != sorted(names):
+                    raise WeightPushError(f"{transport} delivered {len(recorder.names)} tensor(s) for a manifest of "
+                                          f"{len(names)}")
             except BaseException as e:
                 # never leave layers on the meta device: put back what was not loaded
                 finalize_layerwise_reload(self.model, self.model_config)
@@ -334,10 +422,11 @@ def _make_engine_cls():
                                    f"validation; some layers may hold the new weights: push a full set again "
                                    f"({type(e).__name__}: {e})") from e
             finalize_layerwise_reload(self.model, self.model_config)
-            dflash = bool(kind == "draft" and rebuild_dflash_context_kv(self.model, tensors))
+            pushed = tensors if receiver is not None else recorder.kept
+            dflash = bool(kind == "draft" and rebuild_dflash_context_kv(self.model, pushed))
             self.pushes += 1
-            self.last_push = {"kind": kind, "version": handle.get("version"), "tensors": len(tensors),
-                              "bytes": total_bytes(tensors.values()), "receive_s": t_recv - t0,
+            self.last_push = {"kind": kind, "version": handle.get("version"), "transport": transport,
+                              "tensors": len(recorder.names), "bytes": recorder.nbytes, "receive_s": t_recv - t0,
                               "load_s": time.perf_counter() - t_recv, "dflash_rebuilt": dflash}
 
     return CotrainInitInfo, CotrainUpdateInfo, CotrainWeightTransferEngine
@@ -375,6 +464,10 @@ class CotrainWorkerExtension:
             eng.reset_weight_update_target()
         return {"expected": {n: [s, d] for n, (s, d) in exp.items()}, "shared": sorted(shared)}
 
+    def cotrain_drain(self, handle: dict) -> None:
+        """Receive and drop an ``nccl`` push this engine will not load (see :func:`drain_broadcast`)."""
+        self.weight_transfer_engine.drain(handle)  # type: ignore[attr-defined]
+
 
 # import-time work inside vLLM's worker processes (and harmless elsewhere)
 try:  # pragma: no branch
@@ -400,17 +493,30 @@ def push_handle(llm, kind: str, handle: dict, version: int | None = None) -> dic
     label it had (vLLM's worker ends the session itself when ``update_weights`` raises).
     """
     if kind not in ("policy", "draft"):
+        drain_broadcast(llm, handle)
         raise ValueError(f"kind={kind!r} (allowed: policy, draft)")
     version = int(handle["version"] if version is None else version)
     t0 = time.perf_counter()
-    (llm.start_draft_weight_update if kind == "draft" else llm.start_weight_update)()
     try:
-        llm.update_weights({"update_info": {"handle": handle}})
+        (llm.start_draft_weight_update if kind == "draft" else llm.start_weight_update)()
+    except Exception as e:
+        drain_broadcast(llm, handle)
+        raise WeightPushError(f"{kind} push of version {version} could not start: {e}") from e
+    try:
+        llm.update_weights({"update_info": {"handle": handle}})  # rejected nccl pushes drain in the worker
     except Exception as e:  # the engine core re-raises worker errors with their text
         raise WeightPushError(_worker_message(str(e), kind, version)) from e
     llm.finish_weight_update(weight_version=_label(version) if kind == "policy" else None)
     llm.reset_prefix_cache()  # cached KV was computed by the old weights
     return {"push_s": time.perf_counter() - t0}
+
+
+def drain_broadcast(llm, handle: dict) -> None:
+    """For an ``nccl`` handle this engine will not load (rejected before reaching its worker):
+    receive the broadcast and drop it, so the sender finishes and the group stays in step.
+    Nothing to do for other transports."""
+    if isinstance(handle, dict) and handle.get("transport") == "nccl":
+        llm.collective_rpc("cotrain_drain", args=(handle,))
 
 
 def _worker_message(msg: str, kind: str, version: int) -> str:
@@ -451,7 +557,7 @@ def engine_status(llm) -> dict[str, Any]:
 
 __all__ = [
     "BACKEND_NAME", "WORKER_EXTENSION", "extension_kwargs", "push_weights", "push_handle", "push_draft_weights",
-    "engine_status", "install_cpu_rejection_sampler_fix", "cpu_rejection_sampler_fixed", "checkpoint_manifest",
+    "engine_status", "drain_broadcast", "install_cpu_rejection_sampler_fix", "cpu_rejection_sampler_fixed", "checkpoint_manifest",
     "shared_with_target", "rebuild_dflash_context_kv", "register_backend", "CotrainWorkerExtension",
     "WeightPushError", "dtype_name", "SHARED_KEYS",
 ]

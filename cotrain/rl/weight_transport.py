@@ -14,25 +14,31 @@ so that the engine can validate names, shapes and dtypes *before* it touches any
 transport          where                                       how the bytes move
 =================  ==========================================  ======================================
 ``shm``            CPU, or any sender/receiver on one node     one safetensors file per push under
-                                                               ``/dev/shm`` (memory, not disk)
-``cuda_ipc``       GPU, trainer and engine on the same GPU(s)  CUDA IPC handles of the sender's
-                                                               tensors (zero copy until loading)
-``nccl``           GPU, engines on other GPUs / nodes          a dedicated broadcast group (rank 0 =
-                                                               trainer, 1.. = engine workers); gloo
-                                                               runs the same code on CPU (tests)
+                                                               ``/dev/shm`` (memory, not disk);
+                                                               cotrain's own (vLLM has no CPU path)
+``cuda_ipc``       GPU, trainer and engine on the same GPU(s)  vLLM's IPC weight-transfer engines
+                                                               (CUDA IPC handle per tensor)
+``nccl``           GPU, engines on other GPUs / nodes          vLLM's NCCL weight-transfer engines
+                                                               (a dedicated broadcast group: rank 0
+                                                               = trainer, 1.. = engine workers)
 =================  ==========================================  ======================================
+
+For ``cuda_ipc`` and ``nccl`` the handle also carries vLLM's update payload (``update_info``),
+and the bytes are moved by vLLM's ``TrainerWeightTransferEngine`` on the sender and its worker
+engine inside the rollout workers; cotrain keeps versions and manifest validation on top.
 
 :func:`make_transport` picks one by name (``auto``: ``shm`` without CUDA, ``cuda_ipc`` with it).
 """
 
 from __future__ import annotations
 
+import base64
 import os
-import socket
+import pickle
+import queue
 import tempfile
 import threading
 import uuid
-from datetime import timedelta
 from typing import Any, Iterable
 
 import torch
@@ -243,224 +249,303 @@ class ShmTransport(WeightTransport):
                 pass
 
 
-# ------------------------------------------------------------------------------------- cuda_ipc
-def _device_uuid(index: int) -> str:
-    return str(torch.cuda.get_device_properties(index).uuid)
+# ----------------------------------------------------------------- GPU: vLLM's transfer engines
+#: cotrain transport name -> vLLM weight-transfer backend that moves the bytes
+VLLM_BACKENDS = {"cuda_ipc": "ipc", "nccl": "nccl"}
 
 
-class CudaIpcTransport(WeightTransport):
-    """CUDA IPC handles of the sender's GPU tensors: trainer and engine colocated on one node.
+def nccl_wire(packed: bool = True, buffer_bytes: int | None = None, num_buffers: int | None = None) -> dict:
+    """The wire parameters both ends of the ``nccl`` transport must agree on (vLLM's names;
+    defaults: vLLM's packed broadcast, 1 GiB x 2 buffers)."""
+    from vllm.distributed.weight_transfer.packed_tensor import (
+        DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+        DEFAULT_PACKED_NUM_BUFFERS,
+    )
 
-    ``send`` keeps a reference to every (contiguous, on-GPU) tensor until ``release``, and returns
-    ``{"transport": "cuda_ipc", "version", "manifest", "id", "ipc": [{gpu_uuid: args}, ...]}``
-    where ``args`` are :func:`torch.multiprocessing.reductions.reduce_tensor`'s rebuild arguments.
-    ``receive`` maps them into the receiving process on *its* current device (the GPU is found by
-    UUID, so differing ``CUDA_VISIBLE_DEVICES`` orders are fine). The received tensors alias the
-    sender's memory (for contiguous parameters: the parameters themselves): the sender must not
-    modify them (no optimizer step) until every engine has loaded them and ``release`` ran.
-    """
-
-    name = "cuda_ipc"
-
-    def __init__(self) -> None:
-        if not torch.cuda.is_available():
-            raise RuntimeError("cuda_ipc transport needs CUDA (allowed without a GPU: shm)")
-        self._live: dict[str, dict[str, torch.Tensor]] = {}
-
-    def send(self, named_tensors: dict[str, torch.Tensor], version: int) -> dict:
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        tensors = _flat_tensors(named_tensors)
-        keep, ipc = {}, []
-        for n, t in tensors.items():
-            if not t.is_cuda:
-                raise WeightPushError(f"cuda_ipc sends GPU tensors; {n!r} is on {t.device} (allowed: shm for CPU "
-                                      "tensors)")
-            t = t.contiguous()
-            keep[n] = t
-            _, args = reduce_tensor(t)
-            ipc.append({_device_uuid(t.device.index): args})
-        torch.cuda.synchronize()  # the receiver must see finished values
-        hid = uuid.uuid4().hex
-        self._live[hid] = keep
-        return {"transport": self.name, "version": int(version), "manifest": manifest_of(keep), "id": hid,
-                "ipc": ipc}
-
-    def receive(self, handle: dict) -> dict[str, torch.Tensor]:
-        return receive_cuda_ipc(handle)
-
-    def release(self, handle: dict) -> None:
-        if self._live.pop(handle.get("id"), None) is not None:
-            torch.cuda.ipc_collect()
+    return {"packed": bool(packed),
+            "packed_buffer_size_bytes": int(buffer_bytes or DEFAULT_PACKED_BUFFER_SIZE_BYTES),
+            "packed_num_buffers": int(num_buffers or DEFAULT_PACKED_NUM_BUFFERS)}
 
 
-def receive_cuda_ipc(handle: dict, device_index: int | None = None) -> dict[str, torch.Tensor]:
-    """Rebuild a ``cuda_ipc`` handle's tensors on this process's GPU (no sender object needed)."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+def update_info_manifest(info: dict) -> Manifest:
+    """The manifest of a vLLM update payload (``names`` / ``dtype_names`` / ``shapes``)."""
+    names, dts, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
+    if not isinstance(names, list) or not isinstance(dts, list) or not isinstance(shapes, list) \
+            or not len(names) == len(dts) == len(shapes):
+        raise WeightPushError("a vLLM update payload needs names, dtype_names and shapes of one length")
+    return [[n, [int(x) for x in s], d] for n, d, s in zip(names, dts, shapes)]
 
-    _check_handle(handle, "cuda_ipc")
-    if not torch.cuda.is_available():
-        raise WeightPushError("a cuda_ipc handle reached a process without CUDA (allowed on CPU engines: shm)")
-    index = torch.cuda.current_device() if device_index is None else device_index
-    me = _device_uuid(index)
-    out = {}
-    for (n, _, _), per_gpu in zip(handle["manifest"], handle["ipc"]):
-        if me not in per_gpu:
-            raise WeightPushError(f"cuda_ipc handle for {n!r} lives on GPU(s) {list(per_gpu)}, not on this "
-                                  f"process's GPU {me}: cuda_ipc needs colocated trainer and engine (allowed "
-                                  "otherwise: nccl)")
-        args = list(per_gpu[me])
-        args[6] = index  # the sender's device index means nothing here; the UUID matched
-        out[n] = rebuild_cuda_tensor(*args)
-    check_received(handle, out)
+
+def wire_safe_update_info(info: dict) -> dict:
+    """vLLM's IPC payload carries CUDA IPC rebuild arguments (tuples holding classes and dtypes),
+    which vLLM's msgpack channel to a multi-process engine core refuses. As vLLM's own HTTP
+    client does, send them pickled (``ipc_handles_pickled``, base64); cotrain's backend in the
+    engine unpickles them (:func:`restore_update_info`) without vLLM's process-wide
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION``: the handle comes from the run's own trainer."""
+    if info.get("ipc_handles") is None:
+        return info
+    out = {k: v for k, v in info.items() if k != "ipc_handles"}
+    out["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(info["ipc_handles"])).decode("ascii")
     return out
 
 
-# ----------------------------------------------------------------------------------------- nccl
-class NcclBroadcastTransport(WeightTransport):
-    """A dedicated broadcast group: rank 0 (the trainer) sends, ranks 1.. (engine workers) receive.
+def restore_update_info(info: dict) -> dict:
+    """The inverse of :func:`wire_safe_update_info`: the payload vLLM's worker engine parses."""
+    if "ipc_handles_pickled" not in info:
+        return dict(info)
+    out = {k: v for k, v in info.items() if k != "ipc_handles_pickled"}
+    out["ipc_handles"] = pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))
+    return out
 
-    The group is separate from every other torch.distributed group in the processes involved
-    (its own TCP store and process group object, never the default group), so it can join a
-    trainer rank and vLLM workers that each already have their own world. All members call
-    :meth:`connect` concurrently (the rendezvous blocks until the group is complete).
 
-    ``send`` (rank 0) broadcasts the tensors in manifest order from a background thread and
-    returns ``{"transport": "nccl", "version", "manifest", "seq"}`` at once, so the caller can
-    forward the handle to the receivers while the bytes are in flight; ``receive`` (ranks >= 1)
-    allocates the tensors on its device and joins the same broadcasts; ``release`` waits for the
-    sender's broadcasts to finish. Pushes must reach every receiver in ``seq`` order.
+def check_vllm_handle(handle: dict) -> None:
+    """A ``cuda_ipc`` / ``nccl`` handle carries vLLM's update payload, and its manifest is that
+    payload's (what cotrain validates is exactly what vLLM's engine will receive)."""
+    name = handle.get("transport") if isinstance(handle, dict) else None
+    if name not in VLLM_BACKENDS:
+        raise WeightPushError(f"not a vLLM-transport handle: {name!r} (allowed: {', '.join(VLLM_BACKENDS)})")
+    _check_handle(handle, name)
+    info = handle.get("update_info")
+    if not isinstance(info, dict):
+        raise WeightPushError(f"{name} handle lacks vLLM's update_info")
+    if update_info_manifest(info) != [[n, list(s), d] for n, s, d in handle["manifest"]]:
+        raise WeightPushError(f"{name} handle's manifest differs from its vLLM update_info (version "
+                              f"{handle.get('version')}); the push was not applied")
 
-    ``backend="gloo"`` runs the same protocol on CPU tensors (used by the CPU tests); ``"nccl"``
-    is the GPU path.
+
+def _dict_source(tensors: dict[str, torch.Tensor]):
+    """A vLLM ``WeightSource`` over a ready ``{name: tensor}`` (rank 0 holds the whole state:
+    Megatron gathered it already, so there is nothing to materialise)."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class DictSource(WeightSource):
+        def metadata(self) -> list:
+            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+
+        def __iter__(self):
+            return iter(list(tensors.items()))
+
+    return DictSource()
+
+
+class _Handoff:
+    """The ``VLLMWeightSyncClient`` a vLLM trainer engine drives, run from a background thread.
+
+    cotrain's driver, not the trainer, talks to the engines (``push_handle``), so instead of
+    calling them this client hands vLLM's update payload back to :meth:`_VllmSender.send`, which
+    puts it in the handle. With ``hold`` (CUDA IPC) ``update_weights`` returns only once the
+    handle is released: vLLM's engine keeps the shared tensors alive until its round trip ends,
+    so the round trip lasts until every rollout engine has loaded them.
     """
 
-    name = "nccl"
+    def __init__(self, hold: bool) -> None:
+        self.hold = hold
+        self.payloads: queue.Queue = queue.Queue()
+        self.released = threading.Event()
+        self.worker_init: dict | None = None
 
-    def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int, *,
-                 backend: str = "nccl", device: torch.device | str | None = None, timeout_s: float = 600) -> None:
-        if backend not in ("nccl", "gloo"):
-            raise ValueError(f"backend={backend!r} (allowed: nccl, gloo)")
-        if world_size < 2 or not 0 <= rank < world_size:
-            raise ValueError(f"rank={rank}, world_size={world_size} (allowed: world_size >= 2, 0 <= rank < world_size)")
-        if backend == "nccl" and not torch.cuda.is_available():
-            raise RuntimeError("nccl transport needs CUDA (allowed without a GPU: shm, or backend='gloo')")
-        self.master_addr, self.master_port = master_addr, int(master_port)
-        self.rank, self.world_size, self.backend = rank, world_size, backend
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.worker_init = dict(init_info)  # the engines join through RolloutGroup.init_broadcast_group
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info) -> None:
+        self.payloads.put(update_info)
+        if self.hold:
+            self.released.wait()
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        pass
+
+
+class _VllmSender(WeightTransport):
+    """Sender side of a GPU transport: one of vLLM's ``TrainerWeightTransferEngine`` s, driven
+    push by push. ``send`` stages the tensors on this process's GPU, starts the engine's
+    ``send_weights`` in a background thread with a :class:`_Handoff` client and returns as soon
+    as vLLM has built the update payload: ``{"transport", "version", "manifest", "id",
+    "update_info"}``. The engine side (``cotrain.rl.vllm_ext``) validates the manifest and lets
+    vLLM's matching worker engine receive. ``release`` ends the round trip and reports its
+    errors. One push at a time: ``send`` refuses while another is unreleased.
+
+    One sender carries both kinds (``policy`` and ``draft``): a push is names and tensors, the
+    engines decide which model they load into.
+    """
+
+    hold = False
+
+    def __init__(self, device: torch.device | str | None = None, timeout_s: float = 600) -> None:
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"{self.name} transport needs CUDA (allowed without a GPU: shm)")
+            device = torch.device("cuda", torch.cuda.current_device())
+        # (an explicit CPU device only makes sense with a stand-in engine: the unit tests)
         self.device = torch.device(device)
-        self.timeout = timedelta(seconds=timeout_s)
-        self._pg = None
-        self._store = None
+        self.timeout_s = float(timeout_s)
+        self._engine = None
+        self._pending: dict[str, tuple[threading.Thread, _Handoff, list]] = {}
         self._seq = 0
-        self._threads: dict[int, tuple[threading.Thread, list]] = {}
 
-    @classmethod
-    def from_init_info(cls, info: dict, local_rank_in_engine: int = 0) -> "NcclBroadcastTransport":
-        """Receiver side, from ``{"master_addr", "master_port", "world_size", "rank_offset", "backend"}``."""
-        return cls(info["master_addr"], info["master_port"], int(info["rank_offset"]) + local_rank_in_engine,
-                   int(info["world_size"]), backend=info.get("backend", "nccl"))
+    def _make_engine(self):  # pragma: no cover - GPU
+        raise NotImplementedError
 
-    def connect(self) -> None:
-        import torch.distributed as dist
-
-        if self._pg is not None:
-            return
-        listen_fd = None
-        if self.rank == 0:
-            # bind the rendezvous to master_addr only (torch's own server would listen on every
-            # interface): on one machine everything stays on loopback
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self.master_addr, self.master_port))
-            sock.listen(max(16, self.world_size))
-            listen_fd = sock.detach()  # the store owns (and closes) the listening socket from here
-        store = dist.TCPStore(self.master_addr, self.master_port, self.world_size, is_master=self.rank == 0,
-                              timeout=self.timeout, wait_for_workers=True, master_listen_fd=listen_fd)
-        self._store = store  # kept for the group's lifetime; close() drops it after the group
-        store = dist.PrefixStore("cotrain-weights", store)
-        if self.backend == "nccl":
-            torch.cuda.set_device(self.device)
-            opts = dist.ProcessGroupNCCL.Options()
-            opts.is_high_priority_stream = False
-            self._pg = dist.ProcessGroupNCCL(store, self.rank, self.world_size, opts)
-        else:
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = self.timeout
-            loopback = self.master_addr in ("127.0.0.1", "localhost")
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if loopback
-                             else dist.ProcessGroupGloo.create_default_device()]
-            self._pg = dist.ProcessGroupGloo(store, self.rank, self.world_size, opts)
-        # one small collective so that communicator set-up happens here, not inside the first push
-        probe = torch.ones(1, device=self.device)
-        self._broadcast(probe).wait()
-
-    def _broadcast(self, t: torch.Tensor):
-        import torch.distributed as dist
-
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = 0, 0
-        return self._pg.broadcast([t], opts)
-
-    def _require(self, sender: bool) -> None:
-        if self._pg is None:
-            raise RuntimeError("NcclBroadcastTransport.connect() was not called")
-        if sender != (self.rank == 0):
-            raise RuntimeError(f"rank {self.rank} cannot {'send' if sender else 'receive'} (rank 0 sends)")
+    def _stage(self, named_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # the drafter's tensors reach rank 0 from the last pipeline stage (possibly on the CPU or
+        # another device): everything goes out from this process's GPU
+        return {n: t.to(self.device).contiguous() for n, t in _flat_tensors(named_tensors).items()}
 
     def send(self, named_tensors: dict[str, torch.Tensor], version: int) -> dict:
-        self._require(sender=True)
-        tensors = {n: t.to(self.device).contiguous() for n, t in _flat_tensors(named_tensors).items()}
-        self._seq += 1
-        seq = self._seq
-        errors: list = []
+        if self._pending:
+            raise RuntimeError(f"{self.name}: push {sorted(self._pending)} is not released yet (release each "
+                               "handle once the engines have loaded it, before the next send)")
+        tensors = self._stage(named_tensors)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)  # vLLM's producers read them from their own streams
+        if self._engine is None:
+            self._engine = self._make_engine()
+        engine, client, errors = self._engine, _Handoff(self.hold), []
 
         def run() -> None:
             try:
-                for t in tensors.values():
-                    self._broadcast(t).wait()
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-            except BaseException as e:  # reported by release()
+                if cuda:
+                    torch.cuda.set_device(self.device)
+                engine.client, engine.source = client, _dict_source(tensors)
+                engine.send_weights()
+            except BaseException as e:  # reported by send (before the payload) or release
                 errors.append(e)
+                client.payloads.put(e)
 
-        th = threading.Thread(target=run, name=f"cotrain-bcast-{seq}", daemon=True)
-        self._threads[seq] = (th, errors)
+        self._seq += 1
+        hid = f"{self._seq}-{uuid.uuid4().hex[:8]}"
+        th = threading.Thread(target=run, name=f"cotrain-{self.name}-{self._seq}", daemon=True)
         th.start()
-        return {"transport": self.name, "version": int(version), "manifest": manifest_of(tensors), "seq": seq}
+        try:
+            payload = client.payloads.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"{self.name}: vLLM's trainer engine built no update payload within "
+                               f"{self.timeout_s:g} s") from None
+        if isinstance(payload, BaseException):
+            th.join(self.timeout_s)
+            raise payload
+        if isinstance(payload, list):  # a chunked payload: cotrain forwards one update per push
+            client.released.set()
+            raise RuntimeError(f"{self.name}: vLLM sent a chunked update ({len(payload)} parts); cotrain pushes "
+                               "one update per handle (packed=False for IPC)")
+        self._pending[hid] = (th, client, errors)
+        info = wire_safe_update_info(dict(payload))
+        return {"transport": self.name, "version": int(version), "manifest": update_info_manifest(info),
+                "id": hid, "seq": self._seq, "update_info": info}
 
     def receive(self, handle: dict) -> dict[str, torch.Tensor]:
-        _check_handle(handle, self.name)
-        self._require(sender=False)
-        out = {}
-        for n, shape, dt in handle["manifest"]:
-            t = torch.empty(shape, dtype=dtype_from_name(dt), device=self.device)
-            self._broadcast(t).wait()
-            out[n] = t
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return out
+        raise WeightPushError(f"{self.name} handles are received by vLLM's {VLLM_BACKENDS[self.name]!r} engine "
+                              "inside the rollout workers (cotrain.rl.vllm_ext), not by a cotrain transport")
 
     def release(self, handle: dict) -> None:
-        entry = self._threads.pop(handle.get("seq"), None)
+        entry = self._pending.pop(handle.get("id") if isinstance(handle, dict) else None, None)
         if entry is None:
             return
-        th, errors = entry
-        th.join(self.timeout.total_seconds())
+        th, client, errors = entry
+        client.released.set()
+        th.join(self.timeout_s)
         if th.is_alive():
-            raise TimeoutError(f"weight broadcast {handle.get('seq')} did not finish within {self.timeout}")
+            self._pending[handle["id"]] = entry  # still in flight: the next send must not start
+            raise TimeoutError(f"{self.name} push {handle.get('seq')} (version {handle.get('version')}) did not "
+                               f"finish within {self.timeout_s:g} s (did every engine receive it?)")
         if errors:
             raise errors[0]
 
     def close(self) -> None:
-        """Wait for pending broadcasts and drop the group. Call it before the process exits: a
-        gloo group still alive at interpreter teardown aborts the process."""
-        for th, _ in self._threads.values():
-            th.join(self.timeout.total_seconds())
-        self._threads.clear()
-        self._pg = None
-        self._store = None
+        for hid in list(self._pending):
+            try:
+                self.release({"id": hid})
+            except Exception:
+                pass
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+
+def _rank_zero_ipc_engine_cls():
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerWeightTransferEngine
+
+    class RankZeroIPCTrainerEngine(IPCTrainerWeightTransferEngine):
+        """vLLM's trainer-side IPC engine for a sender that holds the whole state by itself.
+
+        vLLM's engine all-gathers IPC handles and barriers over the *default* process group (it
+        expects every trainer rank to iterate an FSDP source). A Megatron trainer gathers the
+        full state on rank 0 first and only rank 0 exports, so both steps are skipped here:
+        the handles are rank 0's own, and the only post-send work is ``ipc_collect``.
+        """
+
+        def _all_gather_and_merge_handles(self, handles):
+            return handles
+
+        @staticmethod
+        def _post_send_sync() -> None:
+            torch.cuda.ipc_collect()
+
+    return RankZeroIPCTrainerEngine
+
+
+class CudaIpcTransport(_VllmSender):
+    """``cuda_ipc``: trainer and engines share the GPU(s). vLLM's IPC engines move the bytes:
+    :func:`IPCTrainerWeightTransferEngine` (one CUDA IPC handle per tensor, keyed by GPU UUID)
+    on this side, ``IPCWeightTransferEngine`` in the engines. The engines map the sender's
+    memory: the sender keeps the tensors alive (and unmodified) until :meth:`release`."""
+
+    name = "cuda_ipc"
+    hold = True
+
+    def _make_engine(self):  # pragma: no cover - GPU
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        torch.cuda.set_device(self.device)
+        return _rank_zero_ipc_engine_cls().trainer_init(IPCTrainerInitInfo(rank=0, packed=False),
+                                                        client=_Handoff(False), source=_dict_source({}))
+
+
+class NcclBroadcastTransport(_VllmSender):
+    """``nccl``: a broadcast group of trainer rank 0 (rank 0 here) and every engine worker
+    (ranks 1..). vLLM's NCCL engines move the bytes: ``NCCLTrainerWeightTransferEngine`` here
+    (its own ``StatelessProcessGroup`` + ``PyNcclCommunicator``, never the default group; packed
+    double-buffered broadcast), ``NCCLWeightTransferEngine`` in the engine workers, which join
+    through ``RolloutGroup.init_broadcast_group`` while :meth:`connect` runs (both block until
+    the group is complete). ``send`` returns the handle as soon as the broadcast is queued; the
+    engines receive inside ``update_weights``; ``release`` waits for the broadcast to finish.
+    Pushes must reach the engines in ``seq`` order. On a rejected push the engines still
+    receive the bytes (and drop them), so the group stays in step.
+    """
+
+    name = "nccl"
+
+    def __init__(self, master_addr: str, master_port: int, rank: int = 0, world_size: int = 2, *,
+                 wire: dict | None = None, device: torch.device | str | None = None, timeout_s: float = 600) -> None:
+        if rank != 0:
+            raise ValueError(f"rank={rank}: cotrain's side of the nccl group is the sender, rank 0 (the engines' "
+                             "workers join through RolloutGroup.init_broadcast_group, as vLLM's NCCL engine)")
+        if world_size < 2:
+            raise ValueError(f"world_size={world_size} (allowed: >= 2: the sender plus every engine worker)")
+        super().__init__(device=device, timeout_s=timeout_s)
+        self.master_addr, self.master_port, self.world_size = master_addr, int(master_port), int(world_size)
+        self.wire = dict(wire) if wire is not None else nccl_wire()
+
+    def connect(self) -> None:  # pragma: no cover - GPU
+        """Open the group (blocks until every engine worker has joined)."""
+        if self._engine is not None:
+            return
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        torch.cuda.set_device(self.device)
+        info = NCCLTrainerInitInfo(master_address=self.master_addr, master_port=self.master_port,
+                                   world_size=self.world_size, rank=0, **self.wire)
+        self._engine = WeightTransferTrainerFactory.trainer_init(info, client=_Handoff(False),
+                                                                 source=_dict_source({}))
+
+    def _make_engine(self):
+        raise RuntimeError("NcclBroadcastTransport.connect() was not called (TrainerGroup.connect_weight_broadcast "
+                           "sets the group up with the engines)")
 
 
 # -------------------------------------------------------------------------------------- factory
@@ -478,48 +563,33 @@ def resolve_transport_name(name: str, *, colocated: bool = True) -> str:
 def make_transport(name: str = "auto", *, colocated: bool = True, **kwargs: Any) -> WeightTransport:
     """A sender-side transport by name (``auto``, ``shm``, ``cuda_ipc``, ``nccl``).
 
-    ``nccl`` needs ``master_addr``, ``master_port``, ``world_size`` (and ``rank=0``, the default
-    for a sender) and a later :meth:`NcclBroadcastTransport.connect`.
+    ``nccl`` needs ``master_addr``, ``master_port``, ``world_size`` and a later
+    :meth:`NcclBroadcastTransport.connect` (concurrently with the engines joining).
     """
     name = resolve_transport_name(name, colocated=colocated)
     if name == "shm":
         return ShmTransport(**kwargs)
     if name == "cuda_ipc":
         return CudaIpcTransport(**kwargs)
-    kwargs.setdefault("rank", 0)
     missing = [k for k in ("master_addr", "master_port", "world_size") if k not in kwargs]
     if missing:
         raise ValueError(f"nccl transport needs {', '.join(missing)}")
     return NcclBroadcastTransport(**kwargs)
 
 
-def receiver_for(handle: dict, registry: dict[str, WeightTransport] | None = None) -> WeightTransport:
-    """The receiving-side transport for a handle: stateless ones are made on the spot; ``nccl``
-    must have been registered (connected) in ``registry`` first."""
+def receiver_for(handle: dict) -> WeightTransport:
+    """The receiving-side cotrain transport for a handle: ``shm`` only. ``cuda_ipc`` and ``nccl``
+    handles are received by vLLM's own engines inside the rollout workers (``cotrain.rl.vllm_ext``)."""
     if not isinstance(handle, dict) or "transport" not in handle:
         raise WeightPushError(f"not a weight handle: {type(handle).__name__} (expected a dict from a "
                               "WeightTransport.send)")
     name = handle["transport"]
-    if registry and name in registry:
-        return registry[name]
     if name == "shm":
         return ShmTransport()
-    if name == "cuda_ipc":
-        return _IpcReceiver()
-    if name == "nccl":
-        raise WeightPushError("an nccl handle reached an engine whose broadcast group was not set up (call "
-                              "init_weight_transfer_engine with the group first)")
+    if name in VLLM_BACKENDS:
+        raise WeightPushError(f"{name} handles are received by vLLM's {VLLM_BACKENDS[name]!r} weight-transfer engine "
+                              "inside a rollout worker (cotrain.rl.vllm_ext), not by a cotrain transport")
     raise WeightPushError(f"handle transport {name!r} is unknown (allowed: {', '.join(TRANSPORTS)})")
-
-
-class _IpcReceiver(WeightTransport):
-    name = "cuda_ipc"
-
-    def send(self, named_tensors, version):  # pragma: no cover - receive-only
-        raise RuntimeError("receive-only")
-
-    def receive(self, handle: dict) -> dict[str, torch.Tensor]:
-        return receive_cuda_ipc(handle)
 
 
 def total_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -527,9 +597,8 @@ def total_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 __all__ = [
-    "TRANSPORTS", "WeightPushError", "ShmTransport", "CudaIpcTransport", "NcclBroadcastTransport",
+    "TRANSPORTS", "VLLM_BACKENDS", "WeightPushError", "ShmTransport", "CudaIpcTransport", "NcclBroadcastTransport",
     "make_transport", "resolve_transport_name", "receiver_for", "check_manifest", "check_received",
-    "manifest_of", "dtype_name", "dtype_from_name", "receive_cuda_ipc", "total_bytes", "SHARED_KEYS",
-    "shared_name_reasons",
+    "check_vllm_handle", "update_info_manifest", "nccl_wire", "wire_safe_update_info", "restore_update_info", "manifest_of", "dtype_name", "dtype_from_name",
+    "total_bytes", "SHARED_KEYS", "shared_name_reasons",
 ]
-

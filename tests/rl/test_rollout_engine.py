@@ -4,8 +4,9 @@
 * a policy push: greedy output then equals Hugging Face greedy with the pushed weights, and the
   version label follows; pushing the original back restores the original output;
 * rejected pushes (unknown / missing names, wrong shapes, wrong dtypes, a drafter push without a
-  drafter) name the offending tensors and leave weights and version untouched;
-* the broadcast transport (nccl's code path, on gloo) from this process into the engine.
+  drafter) name the offending tensors and leave weights and version untouched.
+
+(The GPU transports, cuda_ipc and nccl, are vLLM's own engines: test_weight_push_gpu.py.)
 
 One engine for the module (start-up dominates); the tests run in file order and each leaves the
 engine serving the original tiny policy.
@@ -157,32 +158,3 @@ def test_bad_pushes_are_rejected_and_engine_keeps_serving(worker, hf):
         ray.get(worker.push_weights.remote("draft", state, 99))
     assert texts(generate(worker, PROMPTS, GREEDY)) == before_text
     assert version(worker) == before_version
-
-
-def test_broadcast_transport_into_engine(worker, hf):
-    """The nccl transport's protocol (here on gloo): this process is rank 0, the engine rank 1."""
-    import ray
-
-    from cotrain.distributed import find_free_port
-    from cotrain.rl.weight_transport import NcclBroadcastTransport
-
-    model, tok = hf
-    port = find_free_port()
-    joining = worker.init_broadcast_group.remote({"master_addr": "127.0.0.1", "master_port": port, "world_size": 2,
-                                                  "rank_offset": 1, "backend": "gloo"})
-    sender = NcclBroadcastTransport("127.0.0.1", port, 0, 2, backend="gloo", timeout_s=120)
-    try:
-        sender.connect()
-        ray.get(joining)
-        other, state = random_policy_state(tok, seed=8)
-        before = version(worker)
-        for v, (m, sd) in enumerate([(other, state), (model, dict(model.state_dict()))], start=before + 1):
-            handle = sender.send(sd, v)
-            ray.get(worker.push_handle.remote("policy", handle))
-            sender.release(handle)
-            assert version(worker) == v
-            got = texts(generate(worker, PROMPTS[:4], GREEDY))
-            want = greedy_answers(m, tok, PROMPTS[:4], 8)
-            assert got == want
-    finally:
-        sender.close()

@@ -1,0 +1,386 @@
+"""cotrain's side of the GPU weight transports, on CPU with stand-ins for vLLM's engines.
+
+The bytes of ``cuda_ipc`` and ``nccl`` pushes are moved by vLLM's weight-transfer engines
+(``vllm.distributed.weight_transfer``), which need CUDA; what cotrain adds around them runs here:
+
+* sender (``_VllmSender``): the trainer engine runs in a background thread, vLLM's update payload
+  comes back in the handle, ``release`` ends the round trip and reports its errors, one push at
+  a time;
+* engine (``CotrainWeightTransferEngine``): validation before anything moves, vLLM's worker
+  engine pointed at the model being updated, a rejected ``nccl`` push drained (the broadcast
+  group stays in step), an incomplete delivery refused;
+* clients (``VllmGeneration`` / ``vllm_ext.push_handle``): a push refused before it reaches the
+  worker still drains an ``nccl`` broadcast.
+
+The real engines run in test_weight_push_gpu.py (``gpu``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cotrain.rl import vllm_ext
+from cotrain.rl.weight_transport import (
+    CudaIpcTransport,
+    NcclBroadcastTransport,
+    WeightPushError,
+    _VllmSender,
+    check_vllm_handle,
+    manifest_of,
+    restore_update_info,
+    update_info_manifest,
+    wire_safe_update_info,
+)
+
+pytest.importorskip("vllm")
+
+
+def _weights(scale: float = 1.0) -> dict[str, torch.Tensor]:
+    return {"a.weight": torch.full((3, 4), scale), "b.bias": torch.arange(5, dtype=torch.float32) * scale}
+
+
+def _payload(tensors: dict[str, torch.Tensor]) -> dict:
+    return {"names": list(tensors), "dtype_names": [str(t.dtype).split(".")[-1] for t in tensors.values()],
+            "shapes": [list(t.shape) for t in tensors.values()]}
+
+
+# ----------------------------------------------------------------------------------- sender
+class FakeNcclTrainerEngine:
+    """Shaped like vLLM's NCCLTrainerWeightTransferEngine.send_weights: the payload goes to the
+    client (concurrently with the broadcast), then the "broadcast" waits for a receiver."""
+
+    def __init__(self) -> None:
+        self.client = self.source = None
+        self.wire: list = []  # what was "broadcast"
+        self.receivers = threading.Semaphore(0)
+        self.fail = False
+        self.shut = False
+
+    def send_weights(self) -> None:
+        meta = self.source.metadata()
+        self.client.start_weight_update()
+        self.client.update_weights({"names": [m.name for m in meta],
+                                    "dtype_names": [str(m.dtype).split(".")[-1] for m in meta],
+                                    "shapes": [list(m.shape) for m in meta]})
+        if not self.receivers.acquire(timeout=30):
+            raise TimeoutError("no receiver")
+        if self.fail:
+            raise RuntimeError("NCCL error: peer gone")
+        self.wire.append({n: t.clone() for n, t in self.source})
+        self.client.finish_weight_update()
+
+    def shutdown(self) -> None:
+        self.shut = True
+
+
+class FakeIpcTrainerEngine:
+    """Shaped like vLLM's IPCTrainerWeightTransferEngine.send_weights: refs live until the
+    client's update_weights returns (cotrain's client holds it open until release)."""
+
+    def __init__(self) -> None:
+        self.client = self.source = None
+        self.alive: list = []
+
+    def send_weights(self) -> None:
+        refs = [t for _, t in self.source]
+        self.alive.append(refs)
+        self.client.start_weight_update()
+        self.client.update_weights({**_payload(dict(self.source)), "ipc_handles": [{"uuid": ("args",)}] * len(refs)})
+        self.client.finish_weight_update()
+        self.alive.remove(refs)
+
+
+def _sender(cls, engine):
+    t = cls.__new__(cls)
+    _VllmSender.__init__(t, device="cpu", timeout_s=20)  # a CPU "device" only with a stand-in engine
+    t._engine = engine
+    return t
+
+
+def test_nccl_sender_hands_vllms_payload_back_and_waits_on_release():
+    eng = FakeNcclTrainerEngine()
+    t = _sender(NcclBroadcastTransport, eng)
+    for version in (1, 2):
+        w = _weights(version)
+        h = t.send(w, version)  # returns while the "broadcast" still waits for its receivers
+        assert h["transport"] == "nccl" and h["version"] == version and h["seq"] == version
+        assert h["manifest"] == manifest_of(w) and h["update_info"] == _payload(w)
+        check_vllm_handle(h)
+        with pytest.raises(RuntimeError, match="is not released yet"):
+            t.send(w, version + 10)
+        eng.receivers.release()  # the engines receive
+        t.release(h)
+        assert all(torch.equal(eng.wire[-1][n], w[n]) for n in w)
+    t.release(h)  # idempotent
+    eng.fail = True
+    h = t.send(_weights(), 3)
+    eng.receivers.release()
+    with pytest.raises(RuntimeError, match="peer gone"):
+        t.release(h)
+    t.close()
+    assert eng.shut
+
+
+def test_nccl_sender_release_times_out_when_nobody_receives():
+    eng = FakeNcclTrainerEngine()
+    t = _sender(NcclBroadcastTransport, eng)
+    t.timeout_s = 0.5
+    h = t.send(_weights(), 1)
+    with pytest.raises(TimeoutError, match="did every engine receive it"):
+        t.release(h)
+    with pytest.raises(RuntimeError, match="not released yet"):  # the group is stuck: no next push
+        t.send(_weights(), 2)
+    eng.receivers.release()
+    t.timeout_s = 20
+    t.release(h)
+
+
+def test_ipc_sender_keeps_the_tensors_alive_until_release():
+    eng = FakeIpcTrainerEngine()
+    t = _sender(CudaIpcTransport, eng)
+    h = t.send(_weights(), 4)
+    assert h["transport"] == "cuda_ipc" and h["manifest"] == manifest_of(_weights())
+    # IPC rebuild arguments travel pickled (vLLM's msgpack channel to its engine core refuses them)
+    assert "ipc_handles" not in h["update_info"] and isinstance(h["update_info"]["ipc_handles_pickled"], str)
+    assert restore_update_info(h["update_info"])["ipc_handles"] == [{"uuid": ("args",)}] * 2
+    time.sleep(0.05)
+    assert len(eng.alive) == 1  # the engines may still be mapping them
+    t.release(h)
+    assert eng.alive == []
+
+
+def test_sender_errors_before_the_payload_surface_in_send():
+    class Broken(FakeNcclTrainerEngine):
+        def send_weights(self):
+            raise ValueError("WeightSource metadata() disagrees with iteration")
+
+    t = _sender(NcclBroadcastTransport, Broken())
+    with pytest.raises(ValueError, match="disagrees"):
+        t.send(_weights(), 1)
+    with pytest.raises(WeightPushError, match="nothing to send"):
+        t.send({}, 1)
+
+
+def test_nccl_sender_arguments():
+    with pytest.raises(ValueError, match="rank=1"):
+        NcclBroadcastTransport("127.0.0.1", 1234, 1, 3)
+    with pytest.raises(ValueError, match="world_size=1"):
+        NcclBroadcastTransport("127.0.0.1", 1234, 0, 1)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="needs CUDA"):
+            NcclBroadcastTransport("127.0.0.1", 1234, 0, 2)
+        with pytest.raises(RuntimeError, match="needs CUDA"):
+            CudaIpcTransport()
+
+
+def test_vllm_handles_must_agree_with_their_payload():
+    w = _weights()
+    h = {"transport": "nccl", "version": 1, "manifest": manifest_of(w), "update_info": _payload(w)}
+    check_vllm_handle(h)
+    assert update_info_manifest(h["update_info"]) == manifest_of(w)
+    bad = dict(h, update_info={**_payload(w), "shapes": [[4, 3], [5]]})
+    with pytest.raises(WeightPushError, match="differs from its vLLM update_info"):
+        check_vllm_handle(bad)
+    with pytest.raises(WeightPushError, match="lacks vLLM's update_info"):
+        check_vllm_handle({k: v for k, v in h.items() if k != "update_info"})
+    with pytest.raises(WeightPushError, match="of one length"):
+        update_info_manifest({"names": ["a"], "dtype_names": [], "shapes": [[1]]})
+
+
+# ----------------------------------------------------------------------------------- engine
+class ToyModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 3, bias=False)
+        self.b = torch.nn.Module()
+        self.b.bias = torch.nn.Parameter(torch.zeros(5))
+        self.loaded: list[list[str]] = []
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        batch = list(weights)
+        self.loaded.append([n for n, _ in batch])
+        for n, t in batch:
+            params[n].data.copy_(t)
+        return {n for n, _ in batch}
+
+
+def _fake_vllm_engine_cls():
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+
+    class FakeVllmWorkerEngine(WeightTransferEngine):
+        """Receives like vLLM's worker engines: tensors from "the wire", into ``self.model.load_weights``."""
+
+        init_info_cls = dict
+        update_info_cls = NCCLWeightTransferUpdateInfo
+        wire: dict = {}
+        drop: int = 0  # deliver this many tensors fewer (a truncated stream)
+        received: list = []
+
+        def init_transfer_engine(self, init_info) -> None:
+            self.init_info = init_info
+
+        def parse_init_info(self, d):
+            return dict(d)
+
+        def parse_update_info(self, d):
+            d = dict(d)
+            self.ipc_handles = d.pop("ipc_handles", None)  # IPC: must arrive unpickled
+            return super().parse_update_info(d)
+
+        def start_weight_update(self) -> None:  # cotrain runs the reload itself
+            raise AssertionError("not used by cotrain")
+
+        def finish_weight_update(self) -> None:
+            raise AssertionError("not used by cotrain")
+
+        def receive_weights(self, info) -> None:
+            type(self).received.append(list(info.names))
+            names = info.names[:len(info.names) - type(self).drop]
+            for i in range(0, len(names), 1):  # one batch per tensor, as the unpacked path does
+                self.model.load_weights([(names[i], type(self).wire[names[i]].clone())])
+
+        def shutdown(self) -> None:
+            pass
+
+    return FakeVllmWorkerEngine
+
+
+@pytest.fixture
+def engine(tmp_path, monkeypatch):
+    """A cotrain backend on a toy model whose checkpoint is in tmp_path, with vLLM's worker
+    engines and its layerwise reload replaced by stand-ins."""
+    from safetensors.torch import save_file
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+    model = ToyModel()
+    save_file({"a.weight": torch.zeros(3, 4), "b.bias": torch.zeros(5)}, str(tmp_path / "model.safetensors"))
+    fake = _fake_vllm_engine_cls()
+    fake.received, fake.drop = [], 0
+    made: list = []
+
+    def make(transport, config, vllm_config, device, m):
+        e = fake(config, vllm_config, device, m)
+        made.append((transport, e))
+        return e
+
+    reloads: list = []
+    monkeypatch.setattr(vllm_ext, "_make_vllm_engine", make)
+    monkeypatch.setattr(vllm_ext, "_reload_api", lambda: (lambda m: reloads.append("init"),
+                                                          lambda m, c: reloads.append("finalize")))
+    cls = vllm_ext._make_engine_cls()[2]
+    vcfg = SimpleNamespace(parallel_config=SimpleNamespace(), model_config=SimpleNamespace(model=str(tmp_path)))
+    eng = cls(WeightTransferConfig(backend="cotrain"), vcfg, torch.device("cpu"), model)
+    return SimpleNamespace(eng=eng, model=model, fake=fake, made=made, reloads=reloads)
+
+
+def _handle(transport: str, tensors: dict[str, torch.Tensor], version: int = 1) -> dict:
+    info = _payload(tensors)
+    if transport == "cuda_ipc":
+        info = wire_safe_update_info({**info, "ipc_handles": [{"gpu-uuid": (n,)} for n in tensors]})
+    return {"transport": transport, "version": version, "manifest": manifest_of(tensors),
+            "update_info": info, "id": "x"}
+
+
+def _push(eng, handle):
+    eng.update_weights({"handle": handle})
+
+
+def test_nccl_push_goes_through_vllms_engine_into_the_model(engine):
+    e = engine
+    e.eng.init_transfer_engine(e.eng.parse_init_info({"transport": "nccl", "options": {"master_address": "h"}}))
+    assert [t for t, _ in e.made] == ["nccl"] and e.made[0][1].init_info == {"master_address": "h"}
+    w = _weights(2.0)
+    e.fake.wire = w
+    _push(e.eng, _handle("nccl", w, 7))
+    assert torch.equal(e.model.a.weight, w["a.weight"]) and torch.equal(e.model.b.bias, w["b.bias"])
+    assert e.reloads == ["init", "finalize"] and e.model.loaded == [["a.weight"], ["b.bias"]]
+    assert e.eng.last_push["version"] == 7 and e.eng.last_push["tensors"] == 2 and e.eng.pushes == 1
+    assert e.made[0][1].model is e.model  # target restored after the push (vLLM's default)
+
+
+def test_rejected_nccl_push_is_drained_and_the_model_untouched(engine):
+    e = engine
+    e.eng.init_transfer_engine(e.eng.parse_init_info({"transport": "nccl", "options": {}}))
+    bad = {"a.weight": torch.ones(4, 3), "b.bias": torch.ones(5)}  # transposed
+    e.fake.wire = bad
+    with pytest.raises(WeightPushError, match=r"shape mismatch\(es\): 'a.weight' expected \[3, 4\] got \[4, 3\]"):
+        _push(e.eng, _handle("nccl", bad))
+    assert e.fake.received == [["a.weight", "b.bias"]]  # the broadcast was taken off the wire ...
+    assert e.model.loaded == [] and e.reloads == [] and e.eng.drained == 1  # ... and dropped
+    assert float(e.model.b.bias.detach().abs().sum()) == 0.0
+    # a handle whose manifest is not its payload is refused the same way
+    h = _handle("nccl", _weights())
+    h["manifest"][0][1] = [3, 5]
+    e.fake.wire = _weights()
+    with pytest.raises(WeightPushError, match="differs from its vLLM update_info"):
+        _push(e.eng, h)
+    assert e.eng.drained == 2 and e.model.loaded == []
+
+
+def test_nccl_push_without_a_group_and_truncated_delivery(engine):
+    e = engine
+    w = _weights(3.0)
+    with pytest.raises(WeightPushError, match="broadcast group was not set up"):
+        _push(e.eng, _handle("nccl", w))
+    e.eng.init_transfer_engine(e.eng.parse_init_info({"transport": "nccl", "options": {}}))
+    e.fake.wire, e.fake.drop = w, 1
+    with pytest.raises(RuntimeError, match=r"delivered 1 tensor\(s\) for a manifest of 2"):
+        _push(e.eng, _handle("nccl", w))
+    assert e.reloads == ["init", "finalize"]  # no layer left on the meta device
+
+
+def test_cuda_ipc_push_makes_vllms_ipc_engine_on_first_use(engine):
+    e = engine
+    w = _weights(5.0)
+    e.fake.wire = w
+    _push(e.eng, _handle("cuda_ipc", w))
+    assert [t for t, _ in e.made] == ["cuda_ipc"] and e.made[0][1].init_info == {"packed": False}
+    assert e.made[0][1].ipc_handles == [{"gpu-uuid": ("a.weight",)}, {"gpu-uuid": ("b.bias",)}]
+    assert torch.equal(e.model.a.weight, w["a.weight"])
+    with pytest.raises(WeightPushError, match="missing name"):
+        _push(e.eng, _handle("cuda_ipc", {"a.weight": w["a.weight"]}))
+    assert e.eng.drained == 0  # nothing to drain for IPC
+
+
+# ----------------------------------------------------------------------------------- clients
+class FakeLLM:
+    def __init__(self, speculative=None, start_fails: bool = False) -> None:
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(speculative_config=speculative))
+        self.rpcs: list = []
+        self.start_fails = start_fails
+
+    def update_weight_version(self, v):
+        self.version = v
+
+    def collective_rpc(self, method, args=()):
+        self.rpcs.append((method, args))
+        return [None]
+
+    def start_weight_update(self):
+        if self.start_fails:
+            raise RuntimeError("a weight update is already in progress")
+
+
+def test_pushes_refused_before_the_worker_still_drain_a_broadcast():
+    from cotrain.rl.rollout import VllmGeneration
+
+    h = _handle("nccl", _weights())
+    gen = VllmGeneration(llm=FakeLLM(speculative=None))
+    with pytest.raises(WeightPushError, match="without speculative decoding"):
+        gen.push_handle("draft", h, 1)
+    assert gen.llm.rpcs == [("cotrain_drain", (h,))]
+    llm = FakeLLM(start_fails=True)
+    with pytest.raises(WeightPushError, match="could not start: a weight update is already in progress"):
+        vllm_ext.push_handle(llm, "policy", h, 1)
+    assert llm.rpcs == [("cotrain_drain", (h,))]
+    llm = FakeLLM(start_fails=True)
+    with pytest.raises(WeightPushError, match="could not start"):
+        vllm_ext.push_handle(llm, "policy", dict(h, transport="cuda_ipc"), 1)
+    assert llm.rpcs == []  # IPC leaves nothing in flight
