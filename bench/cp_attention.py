@@ -29,10 +29,16 @@ Measured, with the arms interleaved round by round (arm order rotated every roun
 - every arm's outputs and input gradients, mapped to packed tokens, against ours.
 Separately (no process group): work balance of the drafters' real layouts (DFlash anchors drawn as
 the drafter draws them vs cotrain.parallel.balanced_anchors; EAGLE-3 TTT) over many batches.
+Drafter-style calls (branch outputs only, the loss on them): cp_branch_attention with main queries
+(q = zeros, what BlockDrafter.backbone passed before: every main tile computed and thrown away) vs
+without (q=None), interleaved round by round, on the workload above ("mixed") and on one long
+sequence ("long": --long-len tokens, the same blocks per sequence): wall and CPU time, pairs, bytes,
+and the branch outputs and input gradients of both checked equal.
 
     python bench/cp_attention.py            # defaults: a few minutes on 2 cores
     python bench/cp_attention.py --quick    # seconds, for a smoke test
     python bench/cp_attention.py --report bench/results/cp_attention.json   # the docs' tables and PNG from a JSON
+    python bench/cp_attention.py --drafter-only   # only the drafter-style calls, with vs without main queries
 """
 
 from __future__ import annotations
@@ -679,6 +685,127 @@ def bf16_bytes_and_error(args, rank, cp_size, groups):
     return res
 
 
+# ----- drafter-style calls: with vs without main queries ---------------------------------------------------
+
+DRAFTER_ARMS = ("with_main", "no_main")
+
+
+class DrafterCall:
+    """One drafter attention call on this rank's shards, the loss on the branch outputs only.
+
+    with_main: q = zeros (what BlockDrafter.backbone passed before q=None: all main tiles computed,
+    their outputs thrown away; q needs no gradient); no_main: q=None (branch tiles only)."""
+
+    def __init__(self, layout, tensors, weights, rank, main: bool):
+        from cotrain.parallel import shard_branches, zigzag_shard
+
+        self.layout = layout
+        self.q = torch.zeros_like(zigzag_shard(tensors[0], layout, rank)) if main else None
+        self.inputs = [zigzag_shard(t, layout, rank).requires_grad_() for t in tensors[1:3]]
+        self.inputs += [shard_branches(t, layout, rank).requires_grad_() for t in tensors[3:]]
+        self.bw = shard_branches(weights[1], layout, rank)
+
+    def step(self, stats=None):
+        from cotrain.parallel import cp_branch_attention
+
+        for t in self.inputs:
+            t.grad = None
+        _, _, bout, _ = cp_branch_attention(self.q, *self.inputs, self.layout, None, stats=stats)
+        (bout * self.bw).sum().backward()
+        return bout.detach()
+
+
+def drafter_workloads(args) -> dict:
+    """name -> (seqlens, prompt lengths): the timing workload's batch, and one long sequence."""
+    seqlens, prompt, _ = make_batch(args.seed, args.num_seqs, args.min_len, args.max_len)
+    long = torch.tensor([args.long_len])
+    return {"mixed": (seqlens, prompt), "long": (long, torch.tensor([min(args.long_len // 16, 256)]))}
+
+
+def drafter_layout(args, seqlens, prompt, cp_size):
+    from cotrain.parallel import balanced_anchors, dflash_layout
+
+    batch = draft_batch(seqlens, prompt)
+    anchors = balanced_anchors(batch.cu_seqlens, dflash_candidates(batch), args.blocks_per_seq, cp_size,
+                               torch.Generator().manual_seed(args.seed + 1), block_size=args.block_size)
+    layout = dflash_layout(batch.cu_seqlens, anchors, args.block_size, cp_size=cp_size)
+    g = torch.Generator().manual_seed(args.seed + 2)
+    T, NBt = layout.total_len, layout.total_branch_tokens
+    H, Hk, D = args.heads, args.kv_heads, args.head_dim
+    tensors = [torch.randn(n, h, D, generator=g) for n, h in [(T, H), (T, Hk), (T, Hk), (NBt, H), (NBt, Hk), (NBt, Hk)]]
+    weights = [None, torch.randn(NBt, H, D, generator=g)]
+    return layout, tensors, weights
+
+
+def drafter_measure(args, rank, cp_size) -> dict:
+    """Per workload: interleaved rounds of the two drafter calls (order alternated), wall/CPU per round,
+    pairs and bytes (CPStats), and the largest difference between their branch outputs / input gradients."""
+    from cotrain.parallel import CPStats
+
+    out = {}
+    for name, (seqlens, prompt) in drafter_workloads(args).items():
+        layout, tensors, weights = drafter_layout(args, seqlens, prompt, cp_size)
+        arms = {a: DrafterCall(layout, tensors, weights, rank, a == "with_main") for a in DRAFTER_ARMS}
+        res = {"tokens": layout.total_len, "branches": layout.num_branches, "wall": {a: [] for a in DRAFTER_ARMS},
+               "cpu": {a: [] for a in DRAFTER_ARMS}, "pairs": {}, "pairs_allowed": {}, "bytes": {}}
+        results = {}
+        for a in DRAFTER_ARMS:  # counting step (and warm-up: plans cached)
+            stats = CPStats()
+            bout = arms[a].step(stats)
+            res["pairs"][a], res["pairs_allowed"][a] = stats.pairs_computed, stats.pairs_allowed
+            res["bytes"][a] = [stats.bytes_sent_forward, stats.bytes_sent_backward]
+            results[a] = [bout] + [t.grad.clone() for t in arms[a].inputs]
+        res["max_diff"] = max((float((x - y).abs().max()) if x.numel() else 0.0)
+                              for x, y in zip(results["with_main"], results["no_main"]))
+        for i in range(args.drafter_rounds):
+            for a in (DRAFTER_ARMS if i % 2 == 0 else DRAFTER_ARMS[::-1]):
+                wall, cpu = _timed(arms[a].step)
+                res["wall"][a].append(wall)
+                res["cpu"][a].append(cpu)
+        out[name] = res
+    return out
+
+
+def summarize_drafter(cp_size: int, ranks: list[dict]) -> dict:
+    rows = {}
+    for name in ranks[0]["drafter"]:
+        per = [r["drafter"][name] for r in ranks]
+        n = len(per[0]["wall"]["no_main"])
+        row = {"cp": cp_size, "tokens": per[0]["tokens"], "branches": per[0]["branches"], "rounds": n, "arms": {},
+               "max_diff": max(p["max_diff"] for p in per)}
+        rounds = {}
+        for a in DRAFTER_ARMS:
+            wall = [max(p["wall"][a][i] for p in per) for i in range(n)]
+            cpu = [sum(p["cpu"][a][i] for p in per) for i in range(n)]
+            rounds[a] = (wall, cpu)
+            pairs = [p["pairs"][a] for p in per]
+            row["arms"][a] = {"wall_s": spread(wall), "cpu_s": spread(cpu), "pairs_per_rank": pairs, "pairs_max": max(pairs),
+                              "pairs_total": sum(pairs), "pairs_allowed_total": sum(p["pairs_allowed"][a] for p in per),
+                              "bytes_fwd": max(p["bytes"][a][0] for p in per), "bytes_bwd": max(p["bytes"][a][1] for p in per)}
+        row["ratios"] = {
+            "wall": spread([x / y for x, y in zip(rounds["no_main"][0], rounds["with_main"][0])]),
+            "cpu": spread([x / y for x, y in zip(rounds["no_main"][1], rounds["with_main"][1])]),
+            "pairs_total": row["arms"]["no_main"]["pairs_total"] / row["arms"]["with_main"]["pairs_total"],
+        }
+        rows[name] = row
+    return rows
+
+
+def rank_drafter_only(rank, cp_size, port, args, outdir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp_size)
+    with open(os.path.join(outdir, f"{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "drafter": drafter_measure(args, rank, cp_size)}, f)
+    dist.destroy_process_group()
+
+
+def run_cp_drafter_only(cp_size: int, args) -> list[dict]:
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.start_processes(rank_drafter_only, args=(cp_size, free_port(), args, outdir), nprocs=cp_size, join=True,
+                           start_method="spawn")
+        return [json.load(open(os.path.join(outdir, f"{r}.json"))) for r in range(cp_size)]
+
+
 def rank_main(rank, cp_size, port, args, outdir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cp_size)
@@ -733,6 +860,8 @@ def rank_main(rank, cp_size, port, args, outdir):
     torch.save(check, os.path.join(outdir, f"{rank}.pt"))
     if args.bf16_bytes:
         result["bf16"] = bf16_bytes_and_error(args, rank, cp_size, groups)
+    if args.drafter_rounds:
+        result["drafter"] = drafter_measure(args, rank, cp_size)
     with open(os.path.join(outdir, f"{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -854,12 +983,29 @@ def _ratio(x):
 
 
 def markdown(data: dict) -> str:
-    """The docs' tables, from the bench's JSON."""
-    rows, cfg = data["results"], data["config"]
-    lines = [f"Workload: {cfg['num_seqs']} sequences of lengths {', '.join(map(str, cfg['seqlens']))} "
+    """The docs' tables, from the bench's JSON (a --drafter-only JSON has only the drafter table)."""
+    rows, cfg = data.get("results", []), data["config"]
+    lines = [] if not rows else [f"Workload: {cfg['num_seqs']} sequences of lengths {', '.join(map(str, cfg['seqlens']))} "
              f"({sum(cfg['seqlens']):,} tokens), {cfg['num_branches']} DFlash blocks of {cfg['block_size']} "
              f"({cfg['anchors']} anchors), H = {cfg['heads']}, Hk = {cfg['kv_heads']}, D = {cfg['head_dim']}, fp32, "
              f"{cfg['rounds']} interleaved rounds, {cfg['cpu_count']} CPU cores.", ""]
+    if rows:
+        lines += _arm_tables(data)
+    dr = data.get("drafter")
+    if dr:
+        lines += _drafter_table(data)
+    if rows:
+        lines += ["", "Ours, query-key pairs computed / allowed by the rule (all ranks): "
+                  + ", ".join(f"CP {r['cp']}: {r['arms']['ours']['computed_over_allowed']:.3f} "
+                              f"(tile_cost_pairs = 0: {r['arms']['ours']['computed_over_allowed_exact_plan']:.3f})" for r in rows) + "."]
+        lines += ["", "Cross-check, max |ours - baseline| over outputs and all input gradients: "
+                  + ", ".join(f"CP {r['cp']}: {r['max_diff_vs_baseline']:.1e}" for r in rows) + "."]
+    return "\n".join(lines)
+
+
+def _arm_tables(data: dict) -> list[str]:
+    rows, cfg = data["results"], data["config"]
+    lines = []
     lines += ["Time per step, median [min, max] over rounds (wall: slowest rank; CPU: summed over ranks):", "",
               "| CP | USP (u x ring) | wall ms ours | wall ms allgather | wall ms usp | CPU ms ours | CPU ms allgather | CPU ms usp |",
               "|---|---|---|---|---|---|---|---|"]
@@ -907,12 +1053,27 @@ def markdown(data: dict) -> str:
         for C in bal["dflash"]:
             d = bal["dflash"][C]
             lines.append(f"| {C} | {f3(d['random'])} | {f3(d['balanced'])} | {f3(bal['eagle3'][C])} |")
-    lines += ["", "Ours, query-key pairs computed / allowed by the rule (all ranks): "
-              + ", ".join(f"CP {r['cp']}: {r['arms']['ours']['computed_over_allowed']:.3f} "
-                          f"(tile_cost_pairs = 0: {r['arms']['ours']['computed_over_allowed_exact_plan']:.3f})" for r in rows) + "."]
-    lines += ["", "Cross-check, max |ours - baseline| over outputs and all input gradients: "
-              + ", ".join(f"CP {r['cp']}: {r['max_diff_vs_baseline']:.1e}" for r in rows) + "."]
-    return "\n".join(lines)
+    return lines
+
+
+def _drafter_table(data: dict) -> list[str]:
+    dr, cfg = data["drafter"], data["config"]
+    lines = []
+    first = next(iter(dr.values()))[0]
+    lines += ["", f"Drafter-style calls (branch outputs only, the loss on them; {cfg['block_size']}-token DFlash blocks, "
+              f"{cfg['blocks_per_seq']} per sequence, balanced_anchors): with main queries (q = zeros, as the block drafters "
+              f"called it before) vs without (q=None); {first['rounds']} interleaved rounds, time median [min, max], "
+              "ratios per-round paired q=None / q = zeros; pairs summed over ranks:", "",
+              "| workload | CP | tokens / blocks | wall ms, q = zeros | wall ms, q=None | wall ratio | CPU ms, q = zeros | "
+              "CPU ms, q=None | CPU ratio | pairs, q = zeros | pairs, q=None (allowed) | max diff |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, rws in dr.items():
+        for r in rws:
+            w, n = r["arms"]["with_main"], r["arms"]["no_main"]
+            lines.append(f"| {name} | {r['cp']} | {r['tokens']:,} / {r['branches']} | {_ms(w['wall_s'])} | {_ms(n['wall_s'])} | "
+                         f"{_ratio(r['ratios']['wall'])} | {_ms(w['cpu_s'])} | {_ms(n['cpu_s'])} | {_ratio(r['ratios']['cpu'])} | "
+                         f"{w['pairs_total']:,} | {n['pairs_total']:,} ({n['pairs_allowed_total']:,}) | {r['max_diff']:.1e} |")
+    return lines
 
 
 def plot(data: dict, path: Path):
@@ -992,28 +1153,59 @@ def main():
     p.add_argument("--balance-batches", type=int, default=200)
     p.add_argument("--balance-cp", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--no-bf16-bytes", dest="bf16_bytes", action="store_false")
+    p.add_argument("--drafter-rounds", type=int, default=11,
+                   help="interleaved rounds of the drafter-style calls with vs without main queries (0: skip)")
+    p.add_argument("--long-len", type=int, default=4096, help="length of the drafter comparison's long sequence")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     p.add_argument("--no-progress", dest="progress", action="store_false")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "cp_attention.json")
+    p.add_argument("--drafter-only", action="store_true",
+                   help="only the drafter-style calls with vs without main queries (JSON: bench/results/cp_attention_drafter.json)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON to write (default bench/results/cp_attention.json; cp_attention_drafter.json with --drafter-only)")
     p.add_argument("--png", type=Path, default=ROOT / "docs" / "img" / "cp_attention.png")
     p.add_argument("--report", type=Path, help="from this JSON: print the docs' markdown tables, redraw --png, exit")
     args = p.parse_args()
     if args.report:
         data = json.loads(args.report.read_text())
         print(markdown(data))
-        plot(data, args.png)
+        if data.get("results"):
+            plot(data, args.png)
         return
     if args.quick:
         args.num_seqs, args.min_len, args.max_len, args.rounds, args.mem_rounds, args.warmup = 4, 8, 64, 2, 1, 0
         args.balance_batches, args.balance_cp = 5, [2, 4]
+        args.drafter_rounds, args.long_len = min(args.drafter_rounds, 2), 256
 
     from tqdm import tqdm
 
-    rows = []
+    if args.drafter_only:
+        drafter = {}
+        for cp in tqdm(args.cp, desc="CP degrees", disable=not args.progress):
+            for name, row in summarize_drafter(cp, run_cp_drafter_only(cp, args)).items():
+                drafter.setdefault(name, []).append(row)
+                if row["max_diff"] > 1e-4:
+                    raise SystemExit(f"drafter call {name}, CP {cp}: q=None differs from q=zeros by {row['max_diff']:.1e}")
+        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        config.update(torch=torch.__version__, threads_per_rank=1, cpu_count=os.cpu_count(),
+                      command="python bench/cp_attention.py " + " ".join(sys.argv[1:]))
+        out = args.out or ROOT / "bench" / "results" / "cp_attention_drafter.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"config": config, "drafter": drafter}, indent=1))
+        print(markdown({"config": config, "drafter": drafter}))
+        print(f"wrote {out}")
+        return
+    args.out = args.out or ROOT / "bench" / "results" / "cp_attention.json"
+
+    rows, drafter = [], {}
     for cp in tqdm(args.cp, desc="CP degrees", disable=not args.progress):
         ranks, diffs = run_cp(cp, args)
         rows.append(summarize(cp, ranks, diffs))
+        if "drafter" in ranks[0]:
+            for name, row in summarize_drafter(cp, ranks).items():
+                drafter.setdefault(name, []).append(row)
+                if row["max_diff"] > 1e-4:
+                    raise SystemExit(f"drafter call {name}, CP {cp}: q=None differs from q=zeros by {row['max_diff']:.1e}")
     balance = balance_report(args)
 
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
@@ -1025,6 +1217,8 @@ def main():
     config["cpu_count"] = os.cpu_count()
     config["command"] = "python bench/cp_attention.py " + " ".join(sys.argv[1:])
     data = {"config": config, "results": rows, "balance": balance}
+    if drafter:
+        data["drafter"] = drafter
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=1))
     plot(data, args.png)
