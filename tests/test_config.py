@@ -627,3 +627,66 @@ def test_distill_config_refuses_online_only_keys():
 
     with pytest.raises(ValueError, match=r"draft.push_every: used only by a GRPO run's co-training"):
         load_distill_config(CONFIGS / "distill_dflash.yaml", ["draft.push_every=3"])
+
+
+# ------------------------------------------------------------------ suffix decoding (model-free)
+SUFFIX = ["rollout.speculative.method=suffix"]
+
+
+def test_suffix_refused_when_its_package_is_missing(monkeypatch):
+    import cotrain.config.validate as validate
+
+    monkeypatch.setattr(validate, "suffix_decoding_unavailable", lambda: "it is not installed")
+    assert_issue(error_of(SUFFIX), "rollout.speculative.method", "suffix needs the arctic-inference package",
+                 "it is not installed", "pip install --no-build-isolation arctic-inference==0.3.0",
+                 "'suffix' extra", "docs/rollout.md", "ngram")
+    monkeypatch.setattr(validate, "suffix_decoding_unavailable", lambda: None)  # as if installed
+    cfg = load_config(DEMO, [*SUFFIX, "rollout.speculative.suffix.max_cached_requests=0"])
+    s = cfg.rollout.speculative
+    assert s.num_speculative_tokens == 3 and s.suffix.max_cached_requests == 0 and s.suffix.max_tree_depth == 24
+    load_config(DEMO, ["rollout.speculative.method=ngram"])  # the other model-free method needs nothing
+
+
+def test_suffix_availability_is_this_environment_s(tmp_path, monkeypatch):
+    """The real probe: matches what is installed here, and names a broken build's import error."""
+    from cotrain.config.validate import suffix_decoding_unavailable
+
+    if importlib.util.find_spec("arctic_inference") is None:
+        assert suffix_decoding_unavailable() == "it is not installed"
+        assert_issue(error_of(SUFFIX), "rollout.speculative.method", "it is not installed")
+    else:
+        assert suffix_decoding_unavailable() is None
+        assert load_config(DEMO, SUFFIX).rollout.speculative.method == "suffix"
+    # a package whose native extension does not load (e.g. built for another Python or torch)
+    fake = tmp_path / "arctic_inference" / "suffix_decoding"
+    fake.mkdir(parents=True)
+    (fake.parent / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("from ._C import SuffixTree\n")
+    saved = {k: v for k, v in sys.modules.items() if k.split(".")[0] == "arctic_inference"}
+    for k in saved:
+        del sys.modules[k]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        why = suffix_decoding_unavailable()
+        assert why is not None and why.startswith("it does not load (ModuleNotFoundError: No module named "
+                                                  "'arctic_inference.suffix_decoding._C'"), why
+        assert_issue(error_of(SUFFIX), "rollout.speculative.method", "does not load (ModuleNotFoundError")
+    finally:
+        for k in [k for k in sys.modules if k.split(".")[0] == "arctic_inference"]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+
+
+@pytest.mark.parametrize("override,fragment", [
+    ("max_tree_depth=0", "allowed: >= 1"),
+    ("max_cached_requests=-1", "allowed: >= 0"),
+    ("max_spec_factor=-0.5", "allowed: >= 0"),
+    ("min_token_prob=1.5", "allowed: <= 1"),
+    ("depth=8", "max_tree_depth"),
+])
+def test_suffix_settings_out_of_range(override, fragment, monkeypatch):
+    import cotrain.config.validate as validate
+
+    monkeypatch.setattr(validate, "suffix_decoding_unavailable", lambda: None)
+    key = "rollout.speculative.suffix." + override.split("=")[0]
+    assert_issue(error_of([*SUFFIX, f"rollout.speculative.suffix.{override}"]), key, fragment)

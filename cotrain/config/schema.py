@@ -41,6 +41,7 @@ __all__ = [
     "PolicyConfig",
     "SamplingConfig",
     "NgramConfig",
+    "SuffixConfig",
     "SpeculativeConfig",
     "RolloutConfig",
     "DraftKindConfig",
@@ -243,21 +244,43 @@ class NgramConfig(StrictModel):
     """Largest n-gram matched in the prompt (>= prompt_lookup_min)."""
 
 
+class SuffixConfig(StrictModel):
+    """Settings of method 'suffix' (vLLM's suffix decoding; needs the arctic-inference package, the
+    'suffix' extra: see docs/rollout.md)."""
+
+    max_tree_depth: PosInt = 24
+    """Depth of the suffix trees: the longest context suffix matched plus the tokens drafted from
+    it (vLLM's suffix_decoding_max_tree_depth)."""
+    max_cached_requests: NonNegInt = 10000
+    """Earlier responses each engine keeps in its global suffix tree (oldest evicted first); 0 =
+    no global tree, each request drafts from its own prompt and response only."""
+    max_spec_factor: NonNegFloat = 1.0
+    """Draft at most max_spec_factor x (length of the matched suffix) tokens per step (and at most
+    num_speculative_tokens)."""
+    min_token_prob: Annotated[float, Field(ge=0, le=1)] = 0.1
+    """Draft a token only if its frequency after the matched suffix in the tree is at least this."""
+
+
 class SpeculativeConfig(StrictModel):
     """Speculative decoding in the rollout engines (vLLM `speculative_config`)."""
 
     method: str | None = None
-    """null (off), 'ngram', 'draft_model', or a drafter method: 'eagle3', 'dflash', 'dspark'
-    (every registered drafter kind). A drafter method needs draft.kind of the same name (the
-    co-trained drafter) or an explicit draft_model."""
+    """null (off), 'ngram', 'draft_model', a drafter method: 'eagle3', 'dflash', 'dspark'
+    (every registered drafter kind), or 'suffix'. A drafter method needs draft.kind of the same
+    name (the co-trained drafter) or an explicit draft_model. 'ngram' (prompt lookup) and 'suffix'
+    (suffix trees over the prompt and the engine's earlier responses; needs the arctic-inference
+    package) are model-free."""
     num_speculative_tokens: PosInt | None = None
     """Draft tokens proposed per step. null = the drafter's default (dflash: block_size - 1, the
-    block being the bonus token plus its drafts; dspark: block_size; 3 otherwise)."""
+    block being the bonus token plus its drafts; dspark: block_size; 3 otherwise). For 'suffix' the
+    most per step: it drafts fewer when its match is short or uncertain."""
     draft_model: str | None = None
     """Directory of drafter weights in vLLM's format: required for 'draft_model'; for a drafter
     method it is the initial drafter (co-trained from there when draft.cotrain)."""
     ngram: NgramConfig = Field(default_factory=NgramConfig)
     """Settings of method 'ngram'."""
+    suffix: SuffixConfig = Field(default_factory=SuffixConfig)
+    """Settings of method 'suffix'."""
     draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
     """How the drafter proposes tokens: its argmax, or sampled from its distribution."""
 
@@ -509,6 +532,8 @@ def speculative_methods() -> tuple[str, ...]:
     for cls in _DRAFT_KINDS.values():
         if cls.vllm_method and cls.vllm_method not in methods:
             methods.append(cls.vllm_method)
+    if "suffix" not in methods:
+        methods.append("suffix")  # model-free, like ngram (listed last: no drafter kind serves it)
     return tuple(methods)
 
 

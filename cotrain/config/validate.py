@@ -329,6 +329,15 @@ def check_speculative(cfg: CotrainConfig) -> list[Issue]:
                        "directory of drafter weights, or null)"))
     if m is None:
         return issues
+    if m == "suffix":
+        why = suffix_decoding_unavailable()
+        if why is not None:
+            issues.append(("rollout.speculative.method", f"suffix needs the arctic-inference package (vLLM's suffix "
+                           f"decoding runs arctic_inference.suffix_decoding in each engine): {why}. Install it with "
+                           f"`{SUFFIX_INSTALL}` (the pin of the 'suffix' extra; builds a small C++ extension with the system's "
+                           "cmake and g++; see docs/rollout.md), or use a "
+                           "model-free method that needs nothing: ngram (allowed: null, ngram, draft_model, or a "
+                           "drafter method)"))
     if m == "draft_model" and spec.draft_model is None:
         issues.append(("rollout.speculative.draft_model", "is required by method draft_model (allowed: a "
                        "HF checkpoint directory of the draft model)"))
@@ -357,6 +366,28 @@ def check_speculative(cfg: CotrainConfig) -> list[Issue]:
                                f"exceeds what the {d.kind} drafter predicts per block ({most}; "
                                f"allowed: 1..{most})"))
     return issues
+
+
+#: how to install what method "suffix" needs (docs/rollout.md, "Model-free speculation")
+SUFFIX_INSTALL = "pip install nanobind==2.9.2 && pip install --no-build-isolation arctic-inference==0.3.0"
+
+
+def suffix_decoding_unavailable() -> str | None:
+    """Why vLLM's ``suffix`` method cannot run in this environment (None = it can).
+
+    vLLM imports ``arctic_inference.suffix_decoding`` (a nanobind extension) when the engine starts
+    its drafter; importing it here catches a missing package and a broken build alike, without
+    loading vLLM."""
+    import importlib
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("arctic_inference") is None:
+            return "it is not installed"
+        importlib.import_module("arctic_inference.suffix_decoding")
+    except Exception as e:  # noqa: BLE001 - any failure to load means the engines would fail too
+        return f"it does not load ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+    return None
 
 
 def _registered_kinds() -> tuple[str, ...]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -59,6 +59,15 @@ def make_llm(model_path: str, **kwargs: Any):
     return LLM(**engine_kwargs(model_path, **kwargs))
 
 
+#: rollout.speculative.suffix.<key> -> vLLM SpeculativeConfig field (method "suffix")
+SUFFIX_KEYS = {
+    "max_tree_depth": "suffix_decoding_max_tree_depth",
+    "max_cached_requests": "suffix_decoding_max_cached_requests",
+    "max_spec_factor": "suffix_decoding_max_spec_factor",
+    "min_token_prob": "suffix_decoding_min_token_prob",
+}
+
+
 def speculative_config(
     method: str | None,
     *,
@@ -67,10 +76,14 @@ def speculative_config(
     prompt_lookup_min: int | None = None,
     prompt_lookup_max: int | None = None,
     draft_sample_method: str = "greedy",
+    suffix: Mapping[str, Any] | None = None,
 ) -> dict | None:
     """vLLM's ``speculative_config`` (None when ``method`` is None).
 
-    ``ngram`` uses the prompt-lookup bounds; methods that run a drafter network need
+    ``ngram`` uses the prompt-lookup bounds; ``suffix`` (suffix decoding, needs the
+    ``arctic-inference`` package in the engine's environment) uses ``suffix``, a mapping with the
+    keys of :data:`SUFFIX_KEYS` (``rollout.speculative.suffix``; missing keys keep vLLM's
+    defaults); each method ignores the other's settings. Methods that run a drafter network need
     ``draft_model`` (a directory in vLLM's format for that method).
     """
     if method is None:
@@ -82,6 +95,12 @@ def speculative_config(
     if method == "ngram":
         out["prompt_lookup_min"] = prompt_lookup_min or 1
         out["prompt_lookup_max"] = prompt_lookup_max or 4
+    elif method == "suffix":
+        unknown = sorted(set(suffix or {}) - set(SUFFIX_KEYS))
+        if unknown:
+            raise ValueError(f"unknown suffix setting(s) {', '.join(unknown)} (allowed: {', '.join(SUFFIX_KEYS)})")
+        for key, value in (suffix or {}).items():
+            out[SUFFIX_KEYS[key]] = value
     elif method in SPEC_METHODS_WITH_MODEL:
         if not draft_model:
             raise ValueError(f"speculative method {method!r} needs draft_model (a directory of drafter "
