@@ -62,7 +62,8 @@ def assert_issue(err: ConfigError, path: str, *fragments: str) -> str:
 def test_shipped_configs_validate(name):  # distill_*.yaml are cotrain.draft.distill configs (tests/draft)
     cfg = load_config(CONFIGS / name)
     assert cfg.cluster.device in ("cpu", "cuda")
-    assert cfg.model_arch is not None and cfg.model_arch.num_hidden_layers == 4
+    layers = {"builtin:tiny": 4, "builtin:small": 6}[cfg.policy.model_path]
+    assert cfg.model_arch is not None and cfg.model_arch.num_hidden_layers == layers
 
 
 def test_demo_configs_content():
@@ -337,7 +338,7 @@ ERROR_CASES = [
     ("jsonl_missing", ["data.task=jsonl", "data.jsonl.path=/no/such.jsonl"], "data.jsonl.path", ["does not exist"]),
     ("jsonl_short", ["data.task=jsonl", "data.jsonl.path={jsonl}"], "data.jsonl.path", ["has 3 prompts",
                                                                                       "allowed: a file with >= 8"]),
-    ("task_value", ["data.task=csv"], "data.task", ["allowed: arithmetic, jsonl"]),
+    ("task_value", ["data.task=csv"], "data.task", ["allowed: arithmetic, gcd, jsonl"]),
     ("arith_prompts", ["data.arithmetic.num_prompts=4"], "data.arithmetic.num_prompts", ["allowed: >= 8"]),
     ("arith_ops", ["data.arithmetic.ops=['/']"], "data.arithmetic.ops[0]", ["allowed: +, -, *"]),
     ("eval_path", ["data.eval.path=/no/such.jsonl"], "data.eval.path", ["does not exist"]),

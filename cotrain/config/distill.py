@@ -11,20 +11,23 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import Field
 
-from cotrain.config.schema import DraftConfig, StrictModel
+from cotrain.config.schema import DraftConfig, GcdTaskConfig, StrictModel
 
 
 class DistillDataConfig(StrictModel):
     """Prompts and the target's responses."""
 
-    task: Literal["arithmetic", "jsonl"] = "arithmetic"
-    """Prompt source: the built-in arithmetic task or a JSONL file (``jsonl_path``)."""
+    task: Literal["arithmetic", "gcd", "jsonl"] = "arithmetic"
+    """Prompt source: the built-in arithmetic task, the built-in gcd task (``gcd``), or a JSONL
+    file (``jsonl_path``)."""
     jsonl_path: Optional[str] = None
     """JSONL file with one ``{"prompt": ...}`` object per line (task jsonl)."""
     prompt_key: str = "prompt"
     """Key of the prompt in the JSONL objects."""
     max_digits: Optional[Annotated[int, Field(ge=1, le=9)]] = None
     """Arithmetic task: most digits per operand. null = the built-in tiny model's task."""
+    gcd: GcdTaskConfig = Field(default_factory=GcdTaskConfig)
+    """Gcd task: its distribution (the defaults are the built-in small model's task)."""
     num_prompts: Annotated[int, Field(ge=1)] = 1000
     """Training prompts."""
     eval_prompts: Annotated[int, Field(ge=1)] = 200
@@ -58,7 +61,7 @@ class DistillConfig(StrictModel):
     """Offline distillation of a drafter from a target."""
 
     target: str = "builtin:tiny"
-    """The target: 'builtin:tiny' or a Hugging Face checkpoint directory."""
+    """The target: 'builtin:tiny', 'builtin:small' or a Hugging Face checkpoint directory."""
     output_dir: str = "runs/distill"
     """Where the drafter, metrics and curves go."""
     threads: Optional[Annotated[int, Field(ge=1)]] = 1

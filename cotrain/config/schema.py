@@ -187,8 +187,9 @@ class PolicyConfig(StrictModel):
     """The policy being trained (a megatron-core GPTModel built from a HF checkpoint)."""
 
     model_path: str = "builtin:tiny"
-    """'builtin:tiny' = the built-in tiny Qwen3 model (built and cached locally), else a Hugging
-    Face checkpoint directory (config.json + safetensors)."""
+    """'builtin:tiny' = the built-in tiny Qwen3 model (0.8 M parameters, task arithmetic),
+    'builtin:small' = the built-in small one (10.4 M, task gcd), each built and cached locally on
+    first use (docs/models.md); else a Hugging Face checkpoint directory (config.json + safetensors)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter / compute dtype of trainers and engines."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
@@ -705,6 +706,32 @@ class ArithmeticConfig(StrictModel):
     """Seed of the prompt generator."""
 
 
+class GcdTaskConfig(StrictModel):
+    """The built-in gcd task's distribution (shared by GRPO's data.gcd and distillation's data.gcd)."""
+
+    max_value: Annotated[int, Field(ge=1, le=9999)] = 99
+    """Largest operand (both operands are drawn from 1..max_value)."""
+    mean_steps: Annotated[float, Field(ge=1.0)] = 5.0
+    """Mean of the geometric distribution the number of solution steps is drawn from (before the
+    max_steps cut): larger = longer responses."""
+    max_steps: Annotated[int, Field(ge=1, le=200)] = 15
+    """Most solution steps (longer problems are not drawn); 15 steps of 2-digit operands are about
+    130 tokens, so keep rollout.sampling.max_tokens above ~9 x max_steps."""
+
+
+class GcdConfig(GcdTaskConfig):
+    """The built-in gcd task: ``"gcd(84,36)="`` answered with a worked solution by Euclid's
+    subtractive algorithm, the final answer after ``=>`` checked exactly
+    (``84-36=48,48-36=12,36-12=24,24-12=12,12-12=0=>12``; cotrain/tasks/gcd.py). Solutions take
+    one step (a==b) to max_steps, about 8 tokens a step: a long tail of response lengths. The
+    built-in small model is warm-started on the defaults."""
+
+    num_prompts: PosInt = 1000
+    """Size of the generated training prompt set."""
+    seed: int = 0
+    """Seed of the prompt generator."""
+
+
 class JsonlConfig(StrictModel):
     """Prompts from a JSON-lines file (one object per line)."""
 
@@ -722,8 +749,8 @@ class EvalConfig(StrictModel):
     every: NonNegInt = 0
     """Evaluate every this many steps (0 = off)."""
     num_prompts: PosInt = 64
-    """Prompts per evaluation (distinct). arithmetic: drawn from the task's distribution, excluding
-    the training prompts; jsonl without path: held out of the training file (with a fixed seed),
+    """Prompts per evaluation (distinct). arithmetic, gcd: drawn from the task's distribution,
+    excluding the training prompts; jsonl without path: held out of the training file (with a fixed seed),
     at most as many as leave grpo.prompts_per_step training prompts."""
     path: str | None = None
     """JSONL file of evaluation prompts (same keys as data.jsonl; prompts also in the training file
@@ -736,10 +763,13 @@ class EvalConfig(StrictModel):
 class DataConfig(StrictModel):
     """Training prompts."""
 
-    task: Literal["arithmetic", "jsonl"] = "arithmetic"
-    """Prompt source: the built-in arithmetic task, or a JSONL file."""
+    task: Literal["arithmetic", "gcd", "jsonl"] = "arithmetic"
+    """Prompt source: the built-in arithmetic task (short answers; builtin:tiny's), the built-in
+    gcd task (worked solutions with a long tail of lengths; builtin:small's), or a JSONL file."""
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
     """Settings of task 'arithmetic'."""
+    gcd: GcdConfig = Field(default_factory=GcdConfig)
+    """Settings of task 'gcd'."""
     jsonl: JsonlConfig = Field(default_factory=JsonlConfig)
     """Settings of task 'jsonl'."""
     shuffle: bool = True

@@ -48,29 +48,31 @@ class ModelArch:
 _BUILTIN_PREFIX = "builtin:"
 
 
-def _builtin_config(name: str) -> dict[str, Any]:
-    from cotrain.models.tiny import BUILTIN_MODEL_PATH, TINY_QWEN3_CONFIG, VOCAB_SIZE
+def _builtin_config(name: str, key: str = "policy.model_path") -> dict[str, Any]:
+    """The architecture of built-in model ``name`` (cotrain.models.builtin: tiny, small), without building it."""
+    from cotrain.models.builtin import get_builtin
 
-    if f"{_BUILTIN_PREFIX}{name}" != BUILTIN_MODEL_PATH:
-        raise ConfigError([("policy.model_path", f"unknown built-in model {_BUILTIN_PREFIX}{name!s} "
-                            f"(allowed: {BUILTIN_MODEL_PATH}, or a HF checkpoint directory)")])
-    return dict(TINY_QWEN3_CONFIG, vocab_size=VOCAB_SIZE)
+    try:
+        return get_builtin(name).config_dict()
+    except ValueError as e:
+        raise ConfigError([(key, str(e))]) from None
 
 
 def load_model_arch(model_path: str, key: str = "policy.model_path") -> ModelArch:
-    """Read the architecture of ``builtin:tiny`` or of a HF checkpoint directory."""
+    """Read the architecture of a built-in model (``builtin:tiny``, ``builtin:small``) or of a HF
+    checkpoint directory."""
     if model_path.startswith(_BUILTIN_PREFIX):
-        raw = _builtin_config(model_path[len(_BUILTIN_PREFIX):])
+        raw = _builtin_config(model_path[len(_BUILTIN_PREFIX):], key)
         source = model_path
     else:
         p = Path(model_path)
         if not p.exists():
-            raise ConfigError([(key, f"{model_path!r} does not exist (allowed: builtin:tiny, or a "
+            raise ConfigError([(key, f"{model_path!r} does not exist (allowed: builtin:tiny, builtin:small, or a "
                                 "HF checkpoint directory with config.json)")])
         cfg_file = p / "config.json" if p.is_dir() else p
         if not cfg_file.is_file() or cfg_file.name != "config.json":
-            raise ConfigError([(key, f"{model_path!r} has no config.json (allowed: builtin:tiny, or a "
-                                "HF checkpoint directory with config.json)")])
+            raise ConfigError([(key, f"{model_path!r} has no config.json (allowed: builtin:tiny, builtin:small, "
+                                "or a HF checkpoint directory with config.json)")])
         try:
             raw = json.loads(cfg_file.read_text())
         except (OSError, ValueError) as e:
@@ -516,9 +518,10 @@ def check_data(cfg: CotrainConfig) -> list[Issue]:
         elif not Path(path).is_file():
             issues.append(("data.jsonl.path", f"{path!r} does not exist (allowed: an existing JSONL file)"))
             readable = False
-    elif data.arithmetic.num_prompts < P:
-        issues.append(("data.arithmetic.num_prompts", f"{data.arithmetic.num_prompts} is fewer than "
-                       f"grpo.prompts_per_step={P} (allowed: >= {P})"))
+    elif getattr(data, data.task).num_prompts < P:
+        n = getattr(data, data.task).num_prompts
+        issues.append((f"data.{data.task}.num_prompts", f"{n} is fewer than grpo.prompts_per_step={P} "
+                       f"(allowed: >= {P})"))
     if data.eval.path is not None and not Path(data.eval.path).is_file():
         issues.append(("data.eval.path", f"{data.eval.path!r} does not exist (allowed: an existing JSONL file, "
                        "or null = held-out prompts of the task)"))
@@ -542,7 +545,7 @@ def _check_problems(cfg: CotrainConfig) -> list[Issue]:
     from cotrain.tasks.data import load_task
 
     data, P, e = cfg.data, cfg.grpo.prompts_per_step, cfg.data.eval
-    key = "data.jsonl.path" if data.task == "jsonl" else "data.arithmetic"
+    key = "data.jsonl.path" if data.task == "jsonl" else f"data.{data.task}"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the run warns about the held-out split; here only errors count
@@ -567,6 +570,11 @@ def _check_problems(cfg: CotrainConfig) -> list[Issue]:
                        f"{data.arithmetic.digits}, ops={data.arithmetic.ops}) has only {len(evals)} distinct "
                        f"problems outside its {data.arithmetic.num_prompts} training prompts (allowed: <= "
                        f"{len(evals)}, or more digits / operators)"))
+    elif e.every and data.task == "gcd" and len(evals) < e.num_prompts:
+        g = data.gcd
+        issues.append(("data.eval.num_prompts", f"{e.num_prompts}, but the gcd task (max_value={g.max_value}, "
+                       f"max_steps={g.max_steps}) has only {len(evals)} distinct problems outside its "
+                       f"{g.num_prompts} training prompts (allowed: <= {len(evals)}, or a larger max_value)"))
     issues += check_prompt_lengths(cfg, train + evals)
     return issues
 
@@ -588,7 +596,7 @@ def check_prompt_lengths(cfg: CotrainConfig, problems: list, tokenizer: Any = No
         tok = tok or load_policy_tokenizer(cfg.policy.model_path)
         return [len(ids) for ids in tok(prompts, add_special_tokens=True)["input_ids"]]
 
-    key = "data.jsonl.path" if cfg.data.task == "jsonl" else "data.arithmetic"
+    key = "data.jsonl.path" if cfg.data.task == "jsonl" else f"data.{cfg.data.task}"
     try:
         errors = prompt_length_errors(problems, count, room)
     except Exception as err:  # noqa: BLE001 - a tokenizer that does not load is reported, not raised
@@ -600,8 +608,8 @@ def check_prompt_lengths(cfg: CotrainConfig, problems: list, tokenizer: Any = No
 
 @functools.lru_cache(maxsize=4)
 def load_policy_tokenizer(model_path: str):
-    """The tokenizer the engines use for ``policy.model_path`` (``builtin:tiny``: the built-in
-    character tokenizer, without building the model)."""
+    """The tokenizer the engines use for ``policy.model_path`` (``builtin:tiny`` / ``builtin:small``:
+    the built-in character tokenizer, without building the model)."""
     if model_path.startswith(_BUILTIN_PREFIX):
         from cotrain.models.tokenizer import build_tokenizer
 

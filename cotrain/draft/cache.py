@@ -2,8 +2,8 @@
 
 ``ensure_distilled(cfg)`` runs :func:`cotrain.draft.distill.distill` into
 ``$COTRAIN_CACHE/drafters/<kind>-<key>/`` unless that directory already holds a finished run;
-the key hashes the distillation config (output_dir and progress_bar excluded), the target (the
-tiny model's build key or the checkpoint's path) and the source of the drafter code, so editing a
+the key hashes the distillation config (output_dir and progress_bar excluded), the target (a
+built-in model's name and build key, or the checkpoint's path) and the source of the drafter code, so editing a
 drafter or its recipe rebuilds it. A lock file makes concurrent callers build once; the directory
 appears atomically when complete.
 """
@@ -35,13 +35,12 @@ def _code_hash() -> str:
 
 
 def cache_key(cfg: DistillConfig) -> str:
-    from cotrain.models.build_tiny import build_key
-    from cotrain.models.tiny import BUILTIN_MODEL_PATH
+    from cotrain.models.build_tiny import builtin_cache_id
 
     data = cfg.model_dump(mode="json")
     data.pop("output_dir", None)
     data.pop("progress_bar", None)
-    target = f"builtin:{build_key()}" if cfg.target == BUILTIN_MODEL_PATH else str(Path(cfg.target).resolve())
+    target = builtin_cache_id(cfg.target) or str(Path(cfg.target).resolve())
     blob = json.dumps([data, target, _code_hash()], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 

@@ -56,6 +56,10 @@ def load_prompts(cfg: DistillDataConfig, n: int, seed: int) -> list[str]:
 
         digits = cfg.max_digits or TINY_TASK["max_digits"]
         return [p.prompt for p in arithmetic_dataset(n, seed=seed, max_digits=digits, ops=TINY_TASK["ops"])]
+    if cfg.task == "gcd":
+        from cotrain.tasks.gcd import gcd_dataset
+
+        return [p.prompt for p in gcd_dataset(n, seed=seed, **cfg.gcd.model_dump())]
     if not cfg.jsonl_path:
         raise ValueError("data.jsonl_path is required for task jsonl")
     rows = [json.loads(line) for line in Path(cfg.jsonl_path).read_text().splitlines() if line.strip()]

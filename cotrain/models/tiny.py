@@ -1,6 +1,6 @@
 """The tiny built-in policy: a Qwen3-architecture model small enough to train on two CPU cores.
 
-Only the architecture constants live here; ``cotrain.models.build_tiny`` builds, warm-starts and
+Only the constants live here; ``cotrain.models.build_tiny`` builds, warm-starts and
 caches the checkpoint. Config validation reads these numbers for the ``builtin:tiny`` model path so
 that it can check parallel degrees before anything is built.
 """
@@ -38,3 +38,13 @@ TINY_TASK = dict(max_digits=2, ops=("+",))
 # the demo's few minutes. Changing any of this (or the architecture) changes the cache key.
 TINY_SFT = dict(steps=600, batch_size=128, lr=3e-3, warmup=50, weight_decay=0.01, seed=1234, eval_size=512,
                 label_noise=0.2)
+
+# Bump when the build changes in a way the constants above do not show (it is part of the cache key).
+# 2: the build runs on a fixed BUILD_THREADS torch threads (version 1 used the machine's default, so
+# its weights depended on the core count).
+BUILD_VERSION = 2
+
+# torch CPU threads of the build, whatever the machine has (restored afterwards): the weights are the
+# same on any core count, and one thread does not slow down on a busy machine (the tiny shapes gain
+# nothing from a second one).
+BUILD_THREADS = 1

@@ -1,4 +1,5 @@
-"""Prompt sources: the built-in arithmetic task and a JSONL loader for bring-your-own data.
+"""Prompt sources: the built-in tasks (arithmetic here, gcd in :mod:`cotrain.tasks.gcd`) and a JSONL
+loader for bring-your-own data.
 
 A sample is a ``Problem(prompt, answer)``: the policy sees ``prompt`` and is rewarded when its
 response (up to end-of-sequence) equals ``answer``. The arithmetic task is verifiable by
@@ -92,22 +93,28 @@ def load_jsonl(path: str | Path, prompt_key: str = "prompt", answer_key: str = "
 HOLDOUT_SEED = 0
 
 
-def heldout_arithmetic(train: Sequence[Problem], n: int, seed: int, max_digits: int = 3,
-                       ops: Sequence[str] = ("+",), max_draws: int | None = None) -> list[Problem]:
-    """Up to ``n`` distinct arithmetic problems, drawn from the task's distribution with ``seed``,
-    whose prompts are not among ``train``'s. Fewer when the task has too few problems outside the
-    training set (``max_draws``, default ``100 * n + 10000`` draws, bounds the search)."""
+def heldout_problems(train: Sequence[Problem], n: int, seed: int, draw: Callable[[random.Random], Problem],
+                     max_draws: int | None = None) -> list[Problem]:
+    """Up to ``n`` distinct problems ``draw(rng)`` (one task's distribution, ``rng`` seeded with
+    ``seed``) whose prompts are not among ``train``'s. Fewer when the task has too few problems
+    outside the training set (``max_draws``, default ``100 * n + 10000`` draws, bounds the search)."""
     seen = {p.prompt for p in train}
     rng = random.Random(seed)
     out: list[Problem] = []
     for _ in range(max_draws if max_draws is not None else 100 * n + 10_000):
         if len(out) == n:
             break
-        p = arithmetic_problem(rng, max_digits, ops)
+        p = draw(rng)
         if p.prompt not in seen:
             seen.add(p.prompt)
             out.append(p)
     return out
+
+
+def heldout_arithmetic(train: Sequence[Problem], n: int, seed: int, max_digits: int = 3,
+                       ops: Sequence[str] = ("+",), max_draws: int | None = None) -> list[Problem]:
+    """Up to ``n`` distinct arithmetic problems outside ``train`` (:func:`heldout_problems`)."""
+    return heldout_problems(train, n, seed, lambda rng: arithmetic_problem(rng, max_digits, ops), max_draws)
 
 
 def split_heldout(problems: Sequence[Problem], n: int, seed: int = HOLDOUT_SEED) -> tuple[list[Problem], list[Problem]]:
@@ -126,9 +133,9 @@ def split_heldout(problems: Sequence[Problem], n: int, seed: int = HOLDOUT_SEED)
 def load_task(data, min_train: int = 1) -> tuple[list[Problem], list[Problem]]:
     """(training problems, evaluation problems) of a ``data`` config section (a DataConfig).
 
-    - arithmetic: ``data.arithmetic.num_prompts`` generated problems; evaluation draws
-      ``data.eval.num_prompts`` *distinct* problems of the same distribution (seed
-      ``data.arithmetic.seed + 7919``) whose prompts are not training prompts.
+    - arithmetic, gcd (:mod:`cotrain.tasks.gcd`): ``data.<task>.num_prompts`` generated problems;
+      evaluation draws ``data.eval.num_prompts`` *distinct* problems of the same distribution
+      (seed ``data.<task>.seed + 7919``) whose prompts are not training prompts.
     - jsonl with ``data.eval.path``: that file's problems, minus any whose prompt is also a
       training prompt (with a warning), the first ``data.eval.num_prompts`` of them.
     - jsonl without ``data.eval.path``, evaluation on (``data.eval.every > 0``): up to
@@ -144,6 +151,14 @@ def load_task(data, min_train: int = 1) -> tuple[list[Problem], list[Problem]]:
         a = data.arithmetic
         train = arithmetic_dataset(a.num_prompts, seed=a.seed, max_digits=a.digits, ops=a.ops)
         evals = heldout_arithmetic(train, e.num_prompts, seed=a.seed + 7919, max_digits=a.digits, ops=a.ops)
+        return train, evals
+    if data.task == "gcd":
+        from cotrain.tasks.gcd import gcd_dataset, gcd_problem
+
+        g = data.gcd
+        params = dict(max_value=g.max_value, mean_steps=g.mean_steps, max_steps=g.max_steps)
+        train = gcd_dataset(g.num_prompts, seed=g.seed, **params)
+        evals = heldout_problems(train, e.num_prompts, seed=g.seed + 7919, draw=lambda rng: gcd_problem(rng, **params))
         return train, evals
     j = data.jsonl
     train = load_jsonl(j.path, j.prompt_key, j.answer_key)

@@ -1,7 +1,9 @@
 """Verifiable rewards: a response is scored against the problem's exact answer.
 
-The answer is the response text up to the first newline, stripped of surrounding spaces. Each
-response gets one of three outcomes:
+The answer is the response text up to the first newline, stripped of surrounding spaces - or, when
+the response contains the final-answer marker ``=>`` (tasks with a worked solution, such as the
+built-in ``gcd`` task: ``"6-4=2,4-2=2,2-2=0=>2"``), the text after the last marker, up to the next
+newline, stripped. Each response gets one of three outcomes:
 
 - ``correct``: the answer equals the reference answer (exact string match);
 - ``format_error``: there is no answer to compare - the answer is empty, or the reference answer
@@ -22,9 +24,15 @@ CORRECT, INCORRECT, FORMAT_ERROR = "correct", "incorrect", "format_error"
 
 _NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
 
+#: the final-answer marker of worked solutions
+MARKER = "=>"
+
 
 def extract_answer(response: str) -> str:
-    """The answer is the response text up to the first newline, stripped of surrounding spaces."""
+    """The text after the last ``=>`` when the response has one, else the whole response; up to its
+    first newline, stripped of surrounding spaces."""
+    if MARKER in response:
+        response = response.rsplit(MARKER, 1)[1]
     return response.split("\n", 1)[0].strip()
 
 
