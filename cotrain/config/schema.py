@@ -715,8 +715,9 @@ class GcdTaskConfig(StrictModel):
     """Mean of the geometric distribution the number of solution steps is drawn from (before the
     max_steps cut): larger = longer responses."""
     max_steps: Annotated[int, Field(ge=1, le=200)] = 15
-    """Most solution steps (longer problems are not drawn); 15 steps of 2-digit operands are about
-    130 tokens, so keep rollout.sampling.max_tokens above ~9 x max_steps."""
+    """Most solution steps (longer problems are not drawn); 15 steps of operands up to 99 take up to
+    120 tokens, so keep rollout.sampling.max_tokens above ~8 x max_steps (a cut-off solution has no
+    final answer: a format error)."""
 
 
 class GcdConfig(GcdTaskConfig):

