@@ -5,7 +5,10 @@ the learning rate at optimizer step t (0-based) of T:
 
     warm-up (t < W):   lr * (t + 1) / W
     constant:          lr
-    cosine:            min_lr + (lr - min_lr) * (1 + cos(pi * min(1, (t - W) / max(1, T - W)))) / 2
+    cosine:            min_lr + (lr - min_lr) * (1 + cos(pi * min(1, (t + 1 - W) / max(1, T - W)))) / 2
+
+(the policy's schedule, Megatron's OptimizerParamScheduler as the trainer steps it: step t runs at
+the rate of its 1-based number, so the last of T steps runs at min_lr).
 
 Gradient clipping (``clip_grad`` > 0) is by the global L2 norm of the drafter's gradients only: the
 drafter never shares an optimizer, a schedule or a clipping norm with the policy.
@@ -24,7 +27,7 @@ def lr_at(step: int, total: int, opt) -> float:
         return opt.lr * (step + 1) / opt.warmup_steps
     if opt.schedule == "cosine":
         span = max(1, total - opt.warmup_steps)
-        t = min(1.0, (step - opt.warmup_steps) / span)
+        t = min(1.0, (step + 1 - opt.warmup_steps) / span)
         return opt.min_lr + 0.5 * (opt.lr - opt.min_lr) * (1 + math.cos(math.pi * t))
     return opt.lr
 

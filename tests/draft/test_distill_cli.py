@@ -1,6 +1,7 @@
 """``python -m cotrain.draft.distill``: shipped configs, a small end-to-end run, config errors."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -59,8 +60,9 @@ def test_lr_schedule():
 
     opt = OptimizerConfig(lr=1.0, warmup_steps=4, schedule="cosine", min_lr=0.1)
     assert [lr_at(s, 14, opt) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert lr_at(4, 14, opt) == pytest.approx(1.0) and lr_at(14, 14, opt) == pytest.approx(0.1)
-    assert lr_at(9, 14, opt) == pytest.approx(0.55)
+    # cosine over the 10 steps after warm-up: step s runs at t = (s + 1 - 4) / 10, the last at min_lr
+    assert lr_at(4, 14, opt) == pytest.approx(0.1 + 0.45 * (1 + math.cos(0.1 * math.pi)))
+    assert lr_at(8, 14, opt) == pytest.approx(0.55) and lr_at(13, 14, opt) == pytest.approx(0.1)
 
 
 @pytest.mark.slow
