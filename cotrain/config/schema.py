@@ -284,6 +284,13 @@ class SpeculativeConfig(StrictModel):
     """Settings of method 'suffix'."""
     draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
     """How the drafter proposes tokens: its argmax, or sampled from its distribution."""
+    batch_size_schedule: list[Annotated[list[NonNegInt], Field(min_length=3, max_length=3)]] | None = None
+    """Speculation by batch size (vLLM's num_speculative_tokens_per_batch_size): a list of
+    [first, last, k] with inclusive batch-size ranges starting at 1, sorted and non-overlapping;
+    k draft tokens at those batch sizes (0 = plain decoding, at most num_speculative_tokens).
+    Speculation pays when few sequences are running (the rollout's tail) and can cost more than
+    it saves at large batch: `python -m cotrain.rl.calibrate` measures and writes a schedule.
+    null = num_speculative_tokens at every batch size."""
 
     @field_validator("method")
     @classmethod

@@ -329,6 +329,8 @@ def check_speculative(cfg: CotrainConfig) -> list[Issue]:
     if spec.draft_model is not None and not Path(spec.draft_model).exists():
         issues.append(("rollout.speculative.draft_model", f"{spec.draft_model!r} does not exist (allowed: a "
                        "directory of drafter weights, or null)"))
+    if spec.batch_size_schedule is not None:
+        issues += check_batch_size_schedule(spec)
     if m is None:
         return issues
     if m == "suffix":
@@ -390,6 +392,32 @@ def suffix_decoding_unavailable() -> str | None:
     except Exception as e:  # noqa: BLE001 - any failure to load means the engines would fail too
         return f"it does not load ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
     return None
+
+
+def check_batch_size_schedule(spec) -> list[Issue]:
+    """vLLM's rules for num_speculative_tokens_per_batch_size, checked before any engine starts."""
+    key, sched = "rollout.speculative.batch_size_schedule", spec.batch_size_schedule
+    if spec.method is None:
+        return [(key, "needs rollout.speculative.method (allowed with method null: null)")]
+    if not sched:
+        return [(key, "is empty (allowed: [[1, last, k], ...] or null)")]
+    k_max = spec.num_speculative_tokens
+    prev_end = 0
+    for i, (first, last, k) in enumerate(sched):
+        where = f"{key}[{i}]"
+        if i == 0 and first != 1:
+            return [(where, f"starts at {first}: the first range must start at batch size 1 so every batch "
+                     "size has a k (allowed: [1, last, k])")]
+        if first < 1 or first > last:
+            return [(where, f"[{first}, {last}, {k}] is not a range first <= last, both >= 1")]
+        if first <= prev_end:
+            return [(where, f"[{first}, {last}, {k}] overlaps or precedes the previous range (ending at "
+                     f"{prev_end}); ranges are sorted and disjoint")]
+        if k_max is not None and k > k_max:
+            return [(where, f"k = {k} exceeds rollout.speculative.num_speculative_tokens={k_max} "
+                     f"(allowed: 0..{k_max})")]
+        prev_end = last
+    return []
 
 
 def _registered_kinds() -> tuple[str, ...]:

@@ -551,7 +551,7 @@ def engine_spec_from_config(cfg, *, model_path: str | None = None, draft_model: 
             method, num_speculative_tokens=s.num_speculative_tokens or 3,
             draft_model=draft_model or s.draft_model, prompt_lookup_min=s.ngram.prompt_lookup_min,
             prompt_lookup_max=s.ngram.prompt_lookup_max, draft_sample_method=s.draft_sample_method,
-            suffix=s.suffix.model_dump())
+            suffix=s.suffix.model_dump(), batch_size_schedule=s.batch_size_schedule)
     return EngineSpec(model_path=str(path), dtype=cfg.policy.dtype, seed=cfg.run.seed,
                       max_model_len=cfg.policy.max_seq_len, kv_cache_memory_bytes=r.kv_cache_memory_bytes,
                       gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,

@@ -77,6 +77,7 @@ def speculative_config(
     prompt_lookup_max: int | None = None,
     draft_sample_method: str = "greedy",
     suffix: Mapping[str, Any] | None = None,
+    batch_size_schedule: list | None = None,
 ) -> dict | None:
     """vLLM's ``speculative_config`` (None when ``method`` is None).
 
@@ -84,7 +85,8 @@ def speculative_config(
     ``arctic-inference`` package in the engine's environment) uses ``suffix``, a mapping with the
     keys of :data:`SUFFIX_KEYS` (``rollout.speculative.suffix``; missing keys keep vLLM's
     defaults); each method ignores the other's settings. Methods that run a drafter network need
-    ``draft_model`` (a directory in vLLM's format for that method).
+    ``draft_model`` (a directory in vLLM's format for that method). ``batch_size_schedule``:
+    ``[(first, last, k), ...]``, vLLM's ``num_speculative_tokens_per_batch_size``.
     """
     if method is None:
         return None
@@ -110,6 +112,8 @@ def speculative_config(
         raise ValueError(f"draft_sample_method={draft_sample_method!r} (allowed: greedy, probabilistic)")
     if draft_sample_method != "greedy":
         out["draft_sample_method"] = draft_sample_method
+    if batch_size_schedule:  # vLLM's dynamic speculation: k per batch-size range (validated by vLLM too)
+        out["num_speculative_tokens_per_batch_size"] = [tuple(int(x) for x in r) for r in batch_size_schedule]
     return out
 
 

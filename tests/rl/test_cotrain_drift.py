@@ -81,7 +81,10 @@ def drifted(tmp_path_factory, tiny_model_path):
         yield dict(run=run, first=first, last=last, records=records, batch=batch, drafters=drafters, served=served,
                    target=target)
     finally:
+        import ray
+
         run.shutdown()
+        ray.shutdown()  # the run started a local Ray in this process
 
 
 def test_the_policy_drifted(drifted):

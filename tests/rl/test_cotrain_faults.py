@@ -21,6 +21,8 @@ COTRAIN = ["policy.micro_batch_size=4", "grpo.prompts_per_step=4", "policy.paral
 def test_a_killed_training_rank_fails_the_step_naming_it(tiny_model_path):
     from cotrain.rl.workers import TrainerGroup, TrainerRankDiedError
 
+    if ray.is_initialized():  # an earlier in-process run's Ray
+        ray.shutdown()
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         group = TrainerGroup(load_config("configs/grpo.yaml", COTRAIN), tiny_model_path)
