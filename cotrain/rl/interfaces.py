@@ -30,6 +30,7 @@ class SamplingSpec:
     top_k: int = -1
     max_tokens: int = 16
     seed: int | None = None
+    ignore_eos: bool = False  # generate max_tokens whatever is sampled (measurements at a fixed batch)
 
 
 @dataclass
@@ -43,7 +44,8 @@ class Sample:
     text: str
     finish_reason: str  # "stop" (end of sequence) or "length"
     weight_version: int
-    spec_decode: dict[str, float] | None = None  # acceptance statistics when speculative decoding is on
+    spec_decode: dict | None = None  # acceptance statistics when speculative decoding is on (scalars, and
+    # "acceptance_histogram": rounds by number of accepted drafts)
 
 
 @dataclass

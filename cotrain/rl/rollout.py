@@ -98,7 +98,7 @@ def sampling_params(sampling: SamplingSpec, n: int, seed: int | None = None):
         raise ValueError(f"top_k={sampling.top_k} (allowed: -1 = off, or >= 1)")
     return SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
                           top_k=0 if sampling.top_k == -1 else sampling.top_k, max_tokens=sampling.max_tokens,
-                          seed=seed, logprobs=0)
+                          seed=seed, logprobs=0, ignore_eos=sampling.ignore_eos)
 
 
 def _aggregate(samples: list[list[Sample]], seconds: float) -> dict[str, float]:
@@ -188,6 +188,8 @@ class VllmGeneration(GenerationBackend):
         if m is not None:
             d = m.to_dict()
             spec = {k: float(d[k]) for k in SPEC_SCALARS if k in d}
+            if "acceptance_histogram" in d:
+                spec["acceptance_histogram"] = [int(x) for x in d["acceptance_histogram"]]
         return Sample(prompt_index=index, prompt_token_ids=list(out.prompt_token_ids), token_ids=list(c.token_ids),
                       logprobs=lps, text=c.text, finish_reason=str(c.finish_reason), weight_version=version,
                       spec_decode=spec)
