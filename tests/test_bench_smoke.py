@@ -43,3 +43,22 @@ def test_drafters_bench(tmp_path):
     for kind in ("eagle3", "dflash"):  # served by vLLM on CPU
         assert fam[kind]["greedy_output_identical"]
         assert fam[kind]["vllm_acceptance_len"] > 1.0
+
+
+def test_cotrain_e2e_bench(tmp_path):
+    """Every arm runs its steps interleaved; the summary keys are there; speculation stays on-policy."""
+    out = tmp_path / "cotrain_e2e.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cotrain_e2e.py"), "--quick", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["arms"]) == {"plain", "plain_seed1", "frozen_dflash", "cotrained_dflash"}
+    s = res["summary"]["dflash"]
+    for key in ("rollout_speedup", "e2e_speedup", "frozen_rollout_speedup", "acceptance_first", "acceptance_last",
+                "update_overhead", "tap_wait_fraction"):
+        assert key in s, key
+    for name, steps in res["arms"].items():
+        assert len(steps) == 2
+        assert all(m["kl/train_infer"] < 1e-6 for m in steps)
+        assert ("spec/acceptance_length" in steps[0]) == name.endswith("dflash")
+    assert out.with_suffix(".png").stat().st_size > 10_000
