@@ -6,7 +6,7 @@ Public API::
     TapChannel                                    write(layer, mb, x) / read(mb) / reading(mb) (channel.py)
     attach_tap_hooks, TapHooks                    writers as megatron-core forward hooks (hooks.py)
     TapTransport, TransportContext                the transport interface (interfaces.py)
-    transports: "shm", "gloo", "nccl", "cuda_ipc" (transports/)
+    transports: "shm", "gloo", "nccl", "cuda_ipc" (transports/); "auto" = one per source by its node
     errors: TapTimeoutError, TapLappedError, TapSourceDeadError, TapReaderDeadError, TapSpecMismatchError
 
 Layer ids are "output of layer i" (0-based, global); vLLM's hidden-state id is i + 1. See
@@ -35,11 +35,11 @@ from cotrain.tapchannel.spec import (
     tap_specs,
     to_vllm_hidden_state_id,
 )
-from cotrain.tapchannel.transports import TRANSPORTS, make_transport, register_transport
+from cotrain.tapchannel.transports import TRANSPORT_CODES, TRANSPORTS, make_transport, register_transport
 
 __all__ = [
     "TapChannel", "TapSpec", "PipelineLayout", "tap_specs", "tap_bytes", "attach_tap_hooks", "TapHooks",
-    "TapTransport", "TransportContext", "TapMetrics", "TRANSPORTS", "make_transport", "register_transport",
+    "TapTransport", "TransportContext", "TapMetrics", "TRANSPORTS", "TRANSPORT_CODES", "make_transport", "register_transport",
     "to_vllm_hidden_state_id", "from_vllm_hidden_state_id", "eagle3_default_layers",
     "TapError", "TapTimeoutError", "TapLappedError", "TapPeerDeadError", "TapSourceDeadError", "TapReaderDeadError",
     "TapSpecMismatchError",

@@ -22,6 +22,13 @@ Each remote tap crosses once, from its source rank into the reader's mailbox (se
 :mod:`cotrain.tapchannel.mailbox` for slots, stamps and back-pressure). Taps produced on the reader's
 own rank are kept by reference and returned by ``read`` as they are: no copy, no transport.
 
+Transports per source: ``transport`` names one transport for every remote tap (``"shm"``, ``"gloo"``,
+...), or is ``"auto"``: then each source rank gets the transport its link calls for, from the node
+identities the ranks give (``node=``, e.g. their Ray node id; default: the machine's boot id) - a
+source on the reader's node ``shm`` (CPU) / ``cuda_ipc`` (``device`` on CUDA), a source on another
+node ``gloo`` / ``nccl``. One channel then runs one transport instance per name in use, each over the
+same slot/stamp protocol for its own taps; ``routes`` says which layer went which way.
+
 Microbatch numbering: ``begin_step(M)`` opens microbatches ``0..M-1`` of a step; the channel maps them
 to running sequence numbers (stamps) that continue across steps, so every rank must call
 ``begin_step`` with the same ``M``.
@@ -66,7 +73,7 @@ class TapChannel:
 
     def __init__(self, specs: Sequence[TapSpec], layout: PipelineLayout, transport: str | TapTransport = "shm", *,
                  max_tokens: int, slots: int | None = None, timeout_s: float = 60.0, name: str = "tap",
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, node: str | None = None):
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
         self.layout = layout
@@ -97,56 +104,101 @@ class TapChannel:
         self._local: dict[tuple[int, int], torch.Tensor] = {}
         self._registered: set[int] = set()
         self._last_written: dict[int, int] = {}
-        self._unreleased: dict[int, list[int]] = {}  # seq -> remote tap indices read as views
+        self._unreleased: dict[int, list[int]] = {}  # seq -> remote tap layers read as views
         self._read_seqs: set[int] = set()
         self._next_seq = 0
         self._step_first: int | None = None
         self._step_count = 0
         self.step = -1
-        self.transport: TapTransport | None = None
+        self.transports: dict[str, TapTransport] = {}  # transport name -> instance (remote taps only)
+        self._route: dict[int, tuple[TapTransport, int]] = {}  # remote layer -> (transport, its tap index)
+        self.routes: dict[int, str] = {s.layer: "local" for s in self.specs if s.layer not in self._remote_index}
+        self.nodes: dict[int, str] = {}  # global rank -> node identity (this pipeline's ranks)
         self.transport_name = transport if isinstance(transport, str) else transport.name
-        self._setup(transport, device)
+        self._setup(transport, device, node)
 
     # ----- setup ---------------------------------------------------------------------------------------
-    def _setup(self, transport: str | TapTransport, device: torch.device | None) -> None:
-        tr = make_transport(transport) if isinstance(transport, str) else transport
+    @property
+    def transport(self) -> TapTransport | None:
+        """The channel's transport when its remote taps use one (None: no remote taps)."""
+        if len(self.transports) > 1:
+            raise TapError(f"channel {self.name!r} uses several transports ({', '.join(self.transports)}): "
+                           "see .transports and .routes")
+        return next(iter(self.transports.values()), None)
+
+    @staticmethod
+    def choose(spec: str, same_node: bool, cuda: bool) -> str:
+        """The transport of one source: ``spec`` itself unless it is ``auto`` (then by the link)."""
+        if spec != "auto":
+            return spec
+        if same_node:
+            return "cuda_ipc" if cuda else "shm"
+        return "nccl" if cuda else "gloo"
+
+    def _setup(self, transport: str | TapTransport, device: torch.device | None, node: str | None) -> None:
+        given = None if isinstance(transport, str) else transport
+        if given is None and transport != "auto":
+            make_transport(transport)  # an unknown name fails here, on every rank
         if not dist.is_initialized():
             if self.remote:
                 raise ValueError("taps on other ranks need torch.distributed to be initialised")
             return
+        info = ProcessInfo.local()
+        my_node = str(node) if node is not None else info.boot_id
+        cuda = device is not None and device.type == "cuda"
+        sources = tuple(sorted({s.rank for s in self.remote}))
         # the same channel on every rank of the world: dedicated groups for every pipeline, in one order
-        mine = (self.name, self.transport_name, self.layout.stage_ranks)
+        mine = (self.name, self.transport_name, self.layout.stage_ranks, self.layout.reader_rank, my_node, cuda,
+                sources)
         everyone = _gather(mine)
-        if any((n, t) != (self.name, self.transport_name) for n, t, _ in everyone):
-            raise TapSpecMismatchError(f"ranks disagree on the channel: {sorted(set((n, t) for n, t, _ in everyone))}")
-        pipelines = sorted(set(tuple(p) for _, _, p in everyone))
+        if any((e[0], e[1]) != (self.name, self.transport_name) for e in everyone):
+            raise TapSpecMismatchError(f"ranks disagree on the channel: {sorted(set((e[0], e[1]) for e in everyone))}")
+        node_of = {r: e[4] for r, e in enumerate(everyone)}
+        pipelines = sorted(set(tuple(e[2]) for e in everyone))
         flat = [r for p in pipelines for r in p]
         if len(flat) != len(set(flat)):
             raise ValueError(f"pipelines overlap: {pipelines}")
         group_timeout = timedelta(seconds=max(self.timeout_s * 4, 600.0))
-        control = data = None
+        control, data, route = None, {}, {}
         for p in pipelines:
+            reader = everyone[p[0]][3]
+            _, _, _, _, reader_node, reader_cuda, srcs = everyone[reader]  # the reader's view of its sources
+            names = {src: given.name if given is not None else
+                     self.choose(self.transport_name, node_of[src] == reader_node, reader_cuda) for src in srcs}
+            backends = sorted({b for b in (self._backend(n, given) for n in names.values()) if b})
             g = dist.new_group(list(p), backend="gloo", timeout=group_timeout)
-            d = dist.new_group(list(p), backend=tr.data_backend, timeout=group_timeout) if tr.data_backend else None
+            d = {b: dist.new_group(list(p), backend=b, timeout=group_timeout) for b in backends}
             if self.rank in p:
-                control, data = g, d
+                control, data, route = g, d, names
         self._control_group = control
+        self.nodes = {r: node_of[r] for r in self.layout.stage_ranks}
         # every rank of the pipeline must agree on the specs (writers' registration checks the slots)
         desc = (tuple((s.layer, s.width, dtype_code(s.dtype), s.rank) for s in self.specs), self.slots, self.max_tokens)
-        info = ProcessInfo.local()
         gathered = _gather((desc, info), group=control)
         descs = [g[0] for g in gathered]
         if any(d != descs[self.layout.reader_stage] for d in descs):
             raise TapSpecMismatchError(f"ranks of pipeline {self.layout.stage_ranks} disagree on the taps "
                                        f"((layer, width, dtype, rank), slots, max_tokens): {descs}")
         liveness = Liveness({r: g[1] for r, g in zip(self.layout.stage_ranks, gathered)}, info)
-        if not self.remote:
-            return
-        ctx = TransportContext(name=self.name, rank=self.rank, layout=self.layout, taps=self.remote, slots=self.slots,
-                               max_tokens=self.max_tokens, timeout_s=self.timeout_s, control_group=control,
-                               data_group=data, liveness=liveness, device=device)
-        tr.setup(ctx)
-        self.transport = tr
+        # one transport per name in use, set up in name order on every rank of the pipeline (collective)
+        for name in sorted(set(route.values())):
+            taps = [s for s in self.remote if route[s.rank] == name]
+            tr = given if given is not None else make_transport(name)
+            ctx = TransportContext(name=self.name, rank=self.rank, layout=self.layout, taps=taps, slots=self.slots,
+                                   max_tokens=self.max_tokens, timeout_s=self.timeout_s, control_group=control,
+                                   data_group=data.get(tr.data_backend) if tr.data_backend else None,
+                                   liveness=liveness, device=device, nodes=dict(self.nodes))
+            tr.setup(ctx)
+            self.transports[name] = tr
+            for t, s in enumerate(taps):
+                self._route[s.layer] = (tr, t)
+                self.routes[s.layer] = name
+
+    @staticmethod
+    def _backend(name: str, given: TapTransport | None) -> str | None:
+        from cotrain.tapchannel.transports import TRANSPORTS
+
+        return given.data_backend if given is not None else TRANSPORTS[name].data_backend
 
     # ----- steps ---------------------------------------------------------------------------------------
     def begin_step(self, num_microbatches: int) -> None:
@@ -159,8 +211,8 @@ class TapChannel:
         self._local.clear()
         self._read_seqs.clear()
         self.metrics.begin_step(self.step)
-        if self.transport is not None:
-            self.transport.begin_step(self._step_first, num_microbatches)
+        for tr in self.transports.values():
+            tr.begin_step(self._step_first, num_microbatches)
 
     def end_step(self) -> dict:
         """Close the step; on the reader, every microbatch must have been read and released."""
@@ -172,8 +224,8 @@ class TapChannel:
             if missing or held:
                 raise TapError(f"step {self.step}: microbatches never read {missing}, read but not released {held}; "
                                "their slots would block the sources next step")
-        if self.transport is not None:
-            self.transport.end_step(time.monotonic() + self.timeout_s)
+        for tr in self.transports.values():
+            tr.end_step(time.monotonic() + self.timeout_s)
         self._step_first = None
         self._local.clear()
         return self.metrics.end_step()
@@ -199,7 +251,8 @@ class TapChannel:
             raise TapSpecMismatchError(f"rank {self.rank} registers a writer for layer {layer}, which is {where}")
         probe = TapSpec(layer, width, dtype, spec.stage, spec.rank)
         if layer in self._remote_index:
-            self.transport.register_writer(self._remote_index[layer], probe)
+            tr, t = self._route[layer]
+            tr.register_writer(t, probe)
         elif (width, dtype) != (spec.width, spec.dtype):
             raise TapSpecMismatchError(f"writer for local tap layer {layer} registers width {width}, dtype {dtype}; "
                                        f"the spec says width {spec.width}, dtype {spec.dtype}")
@@ -220,7 +273,8 @@ class TapChannel:
             raise TapError(f"tap layer {layer}: microbatch {microbatch} written after a later one (writes go in order)")
         self._last_written[layer] = seq
         if layer in self._remote_index:
-            waited = self.transport.write(self._remote_index[layer], seq, x, time.monotonic() + self.timeout_s)
+            tr, t = self._route[layer]
+            waited = tr.write(t, seq, x, time.monotonic() + self.timeout_s)
             nbytes = spec.nbytes(x.shape[0])
         else:
             if (layer, seq) in self._local:
@@ -245,7 +299,8 @@ class TapChannel:
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         wait_s = 0.0
         for spec in self.remote:  # first every remote stamp: a failed read leaves the local taps in place
-            wait_s += self.transport.wait(self._remote_index[spec.layer], seq, deadline)
+            tr, t = self._route[spec.layer]
+            wait_s += tr.wait(t, seq, deadline)
         for spec in self.specs:
             if spec.layer not in self._remote_index and (spec.layer, seq) not in self._local:
                 raise TapError(f"local tap layer {spec.layer} for microbatch {microbatch} is not written yet: read "
@@ -256,13 +311,13 @@ class TapChannel:
         views = []
         for spec in self.specs:
             if spec.layer in self._remote_index:
-                t = self._remote_index[spec.layer]
+                tr, t = self._route[spec.layer]
                 c0 = time.perf_counter()
-                x = self.transport.read(t, seq, copy)
+                x = tr.read(t, seq, copy)
                 if copy:
-                    self.transport.release(t, seq)
+                    tr.release(t, seq)
                 else:
-                    views.append(t)
+                    views.append(spec.layer)
                 copy_s += time.perf_counter() - c0
                 moved += spec.nbytes(x.shape[0])
             else:
@@ -278,8 +333,9 @@ class TapChannel:
     def release(self, microbatch: int) -> None:
         """Free the slots of a microbatch read with ``copy=False``."""
         seq = self._seq(microbatch)
-        for t in self._unreleased.pop(seq, []):
-            self.transport.release(t, seq)
+        for layer in self._unreleased.pop(seq, []):
+            tr, t = self._route[layer]
+            tr.release(t, seq)
 
     @contextlib.contextmanager
     def reading(self, microbatch: int, timeout_s: float | None = None) -> Iterator[dict[int, torch.Tensor]]:
@@ -296,9 +352,9 @@ class TapChannel:
         return sum(s.nbytes(num_tokens) for s in self.specs)
 
     def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-            self.transport = None
+        transports, self.transports = list(self.transports.values()), {}
+        for tr in transports:
+            tr.close()
         self._local.clear()
 
     def __enter__(self) -> "TapChannel":

@@ -47,6 +47,7 @@ class TransportContext:
     data_group: Any = None  # dedicated group for p2p transports (gloo or nccl); never Megatron's
     liveness: Liveness = field(default_factory=Liveness)
     device: torch.device | None = None  # data device for nccl / cuda_ipc
+    nodes: dict[int, str] = field(default_factory=dict)  # global rank -> node identity (the channel's ``node``)
 
     @property
     def is_reader(self) -> bool:

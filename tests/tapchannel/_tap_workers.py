@@ -109,6 +109,11 @@ def pipeline_taps(rank, world, pp, state, micro):
     layout = PipelineLayout.from_megatron(model)
     specs = tap_specs(TAP_LAYERS, layout, arch.hidden_size)
     chans = {t: TapChannel(specs, layout, t, max_tokens=SEQ_LEN, name=t, timeout_s=60) for t in ("shm", "gloo")}
+    # "auto" with the first half of the stages on node A, the rest (the reader's) on node B: per source,
+    # gloo across the nodes, shm within node B (PP=4: stages 0, 1 gloo, stage 2 shm)
+    stage = layout.stage_of_rank(rank)
+    chans["auto"] = TapChannel(specs, layout, "auto", max_tokens=SEQ_LEN, name="auto", timeout_s=60,
+                               node="A" if stage < pp // 2 else "B")
     hooks = {t: attach_tap_hooks(model, c) for t, c in chans.items()}
     last = ps.is_pipeline_last_stage()
     offset = model.decoder.layers[0].layer_number - 1
@@ -140,6 +145,7 @@ def pipeline_taps(rank, world, pp, state, micro):
                         gloo = {i: v.clone() for i, v in views.items()}
                     received["shm"].append((order[mb], taps))
                     received["gloo"].append((order[mb], gloo))
+                    received["auto"].append((order[mb], chans["auto"].read(mb)))
                     for i in taps:
                         if i in latest:  # produced on this stage: must be the layer's own memory
                             zero_copy.append((i, taps[i].data_ptr() == latest[i].data_ptr()))
@@ -159,6 +165,8 @@ def pipeline_taps(rank, world, pp, state, micro):
         "metrics": {t: c.metrics.summary() for t, c in chans.items()}, "step_stats": step_stats,
         "written_bytes": {t: dict(c.metrics.written_bytes) for t, c in chans.items()},
         "remote_layers": [s.layer for s in chans["shm"].remote],
+        "routes": {t: dict(c.routes) for t, c in chans.items()},
+        "auto_transports": sorted(chans["auto"].transports),
     }
     for c in chans.values():
         c.close()

@@ -39,7 +39,7 @@ def test_reference_has_distinct_layers(reference):
                 assert not torch.allclose(hs[a], hs[b])
 
 
-@pytest.mark.parametrize("transport", ["shm", "gloo"])
+@pytest.mark.parametrize("transport", ["shm", "gloo", "auto"])
 def test_taps_bit_identical_to_pp1(run, reference, transport):
     pp, ranks = run
     last = ranks[-1]
@@ -62,10 +62,24 @@ def test_taps_come_from_every_stage(run):
     for r in ranks[:-1]:  # each source wrote exactly its own layers' taps
         mine = sorted(set(w.TAP_LAYERS) & set(r["layers"]))
         assert mine, f"stage {r['stage']} has no tap: the test would not cover it"
-        for t in ("shm", "gloo"):
+        for t in ("shm", "gloo", "auto"):
             assert sorted(r["metrics"][t]["writes_per_source"]) == mine
     remote = ranks[-1]["remote_layers"]
     assert remote == [i for i in w.TAP_LAYERS if i not in ranks[-1]["layers"]]
+
+
+def test_auto_picks_a_transport_per_source_by_node(run):
+    """Stages [0, pp/2) on node "A", the rest with the reader on "B": gloo across, shm within B, local on the
+    reader; one channel runs both transports (PP=4) and every rank agrees on the routes."""
+    pp, ranks = run
+    stage_of = {layer: r["stage"] for r in ranks for layer in r["layers"]}
+    want = {layer: "local" if stage_of[layer] == pp - 1 else "gloo" if stage_of[layer] < pp // 2 else "shm"
+            for layer in w.TAP_LAYERS}
+    for r in ranks:
+        assert r["routes"]["auto"] == want
+        assert r["routes"]["shm"] == {k: "local" if v == "local" else "shm" for k, v in want.items()}
+        assert r["auto_transports"] == sorted(set(want.values()) - {"local"})
+    assert ("shm" in want.values()) == (pp == 4)
 
 
 def test_local_taps_are_read_in_place(run):
@@ -91,7 +105,7 @@ def test_metrics_bytes_and_times(run):
     n_layers = len(w.TAP_LAYERS)
     remote = last["remote_layers"]
     seq_tokens = [w.NUM_TOKENS[i] for order in w.ORDERS for i in order]
-    for t in ("shm", "gloo"):
+    for t in ("shm", "gloo", "auto"):
         m = last["metrics"][t]
         # bytes per microbatch = tokens x sum of tap widths x element size (each feature once)
         assert m["bytes_per_microbatch"] == [n * n_layers * H * 4 for n in seq_tokens]

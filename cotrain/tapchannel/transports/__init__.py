@@ -15,6 +15,10 @@ TRANSPORTS: dict[str, type[TapTransport]] = {
 }
 
 
+#: ``tap/transport/<layer>`` metric values: how each tap reached the drafter's stage
+TRANSPORT_CODES: dict[str, int] = {"local": 0, "shm": 1, "cuda_ipc": 2, "gloo": 3, "nccl": 4}
+
+
 def make_transport(name: str) -> TapTransport:
     if name not in TRANSPORTS:
         raise ValueError(f"TapChannel transport {name!r} is not known (allowed: {', '.join(TRANSPORTS)})")
@@ -25,5 +29,5 @@ def register_transport(name: str, cls: type[TapTransport]) -> None:
     TRANSPORTS[name] = cls
 
 
-__all__ = ["TRANSPORTS", "make_transport", "register_transport", "ShmTransport", "GlooTransport", "NcclTransport",
+__all__ = ["TRANSPORTS", "TRANSPORT_CODES", "make_transport", "register_transport", "ShmTransport", "GlooTransport", "NcclTransport",
            "CudaIpcTransport"]

@@ -48,12 +48,15 @@ class ShmTransport(TapTransport):
         if not strongly_ordered_cpu() and os.environ.get("TAPCHANNEL_ALLOW_WEAK_ORDERING") != "1":
             raise RuntimeError(f"transport {self.name!r}: stamps rely on x86-64 store ordering; this CPU is "
                                "weakly ordered - use the 'gloo' transport (or set TAPCHANNEL_ALLOW_WEAK_ORDERING=1)")
-        me = ctx.liveness.me
-        others = [r for r in ctx.layout.stage_ranks
-                  if r in ctx.liveness.peers and not ctx.liveness.peers[r].same_node(me)]
+        reader = ctx.layout.reader_rank
+        host = ctx.liveness.peers.get(reader, ctx.liveness.me)  # the mailbox lives on the reader's node
+        ranks = sorted({s.rank for s in ctx.taps} | {reader})  # the ranks that share this transport's mailbox
+        others = [r for r in ranks
+                  if (r in ctx.liveness.peers and not ctx.liveness.peers[r].same_node(host))
+                  or (ctx.nodes and ctx.nodes.get(r) != ctx.nodes.get(reader))]
         if others:
-            raise RuntimeError(f"transport {self.name!r} needs every stage on one node; ranks {others} are on "
-                               "another node - use 'gloo' or 'nccl'")
+            raise RuntimeError(f"transport {self.name!r} needs its sources on the reader's node; ranks {others} are "
+                               f"on another node than reader rank {reader} - use 'gloo' or 'nccl' (or 'auto')")
 
     def _sizes(self, ctx: TransportContext) -> tuple[int, list[int], int]:
         ctrl_bytes = _round_up(control_words(len(ctx.taps), ctx.slots) * 8, _ALIGN)
