@@ -7,8 +7,11 @@
 
 The model is the config's ``policy.model_path`` (``--model`` replaces it: a HF directory or just its
 ``config.json``; nothing is loaded but the config). The layout, batch and drafter come from the config.
-Ranks are numbered as Megatron's parallel_state orders them (TP fastest, then CP, DP, PP) and placed
-``--gpus-per-node`` to a node, so a group stays inside a node when its span fits (docs/multinode.md).
+Ranks are numbered as Megatron's parallel_state orders them (TP fastest, then CP, DP, PP) and placed on
+nodes of ``--gpus-per-node`` GPUs exactly as the run places them (:mod:`cotrain.placement`: whole TP x CP
+groups per node, spread evenly over the trainer nodes; ``cluster.engine_nodes`` engine-only nodes last),
+on the config's ``cluster.num_nodes`` or, if the ranks do not fit there, the fewest nodes that hold them
+(``--num-nodes`` fixes it; docs/multinode.md).
 
 Notation: L layers, H hidden, a heads, g KV heads, d head dim, I MLP width, V vocabulary; layout
 t (TP), p (PP), c (CP), n_dp (DP); microbatch b rows of S tokens, so T = b S / c tokens per rank and
@@ -159,21 +162,41 @@ class Plan:
     layout: dict
     tokens_per_microbatch: int
     microbatches_per_step: int
+    placement: dict = field(default_factory=dict)  # num_nodes, engine_nodes, node of every rank and engine
     stages: list[StagePlan] = field(default_factory=list)
     cp_ring_bytes_per_step: int = 0
     cp_link: str = "none"
     cp_seconds_per_step: float = 0.0
     push_bytes_per_step: int = 0
+    push_link: str = "inter"
     push_seconds_per_step: float = 0.0
     dp_allreduce_bytes_per_step: int = 0
     notes: list[str] = field(default_factory=list)
 
 
-def _node(rank: int, hw: Hardware) -> int:
-    return rank // hw.gpus_per_node
+def placement_for(cfg, hw: Hardware, num_nodes: Optional[int] = None):
+    """(the run's node layout on nodes of ``hw.gpus_per_node`` GPUs, issues). ``num_nodes``: None = the
+    config's, raised to the fewest nodes that hold the ranks and engines."""
+    from cotrain.placement import layout_issues
+
+    r = cfg.rollout
+    gpe = r.gpus_per_engine if cfg.cluster.device == "cuda" and r.gpus_per_engine else float(r.tensor_parallel)
+    kw = dict(device="cuda", gpus_per_node=hw.gpus_per_node, cpus_per_node=float(1 << 30), gpus_per_engine=gpe)
+    if num_nodes is not None:
+        return layout_issues(cfg, num_nodes=num_nodes, **kw)
+    first = layout_issues(cfg, **kw)
+    n = cfg.cluster.num_nodes
+    while first[0] is None and n < cfg.cluster.num_nodes + 4096:
+        n += 1
+        layout, issues = layout_issues(cfg, num_nodes=n, **kw)
+        if layout is not None:
+            return layout, issues
+        if any("straddle" in msg for _, msg in issues):
+            break  # no node count helps
+    return first
 
 
-def make_plan(cfg, arch: Arch, hw: Hardware) -> Plan:
+def make_plan(cfg, arch: Arch, hw: Hardware, num_nodes: Optional[int] = None) -> Plan:
     par, pol = cfg.policy.parallel, cfg.policy
     t, p, c, dp = par.tensor, par.pipeline, par.context, par.data
     w = 2 if pol.dtype == "bfloat16" else 4
@@ -197,6 +220,19 @@ def make_plan(cfg, arch: Arch, hw: Hardware) -> Plan:
                                            getattr(s, "markov_rank", 16), getattr(s, "draft_vocab_size", None))
     per_param = w + 4 + 8 + (4 if w == 2 else 0) + (w if pol.reference_model else 0)
     span = t * c * dp  # ranks per pipeline stage (Megatron order: tp, cp, dp, then pp)
+    layout, issues = placement_for(cfg, hw, num_nodes)
+    if layout is not None:
+        rank_node = list(layout.rank_node)
+        plan.placement = {"num_nodes": layout.num_nodes, "engine_nodes": layout.engine_nodes,
+                          "ranks_per_node": layout.ranks_per_node, "rank_node": rank_node,
+                          "engine_node": list(layout.engine_node)}
+    else:  # cannot be placed as the run would: number the nodes naively and say why
+        rank_node = [rk // hw.gpus_per_node for rk in range(t * p * c * dp)]
+        plan.notes += [f"cannot be placed: {k}: {m}" for k, m in issues]
+
+    def _node(rank: int, hw: Hardware) -> int:
+        return rank_node[rank]
+
     last_node = _node((p - 1) * span, hw)
     for s in range(p):
         n_layers = arch.layers // p
@@ -225,15 +261,17 @@ def make_plan(cfg, arch: Arch, hw: Hardware) -> Plan:
     passes = 1 + (1 if pol.reference_model else 0) + epochs
     plan.cp_ring_bytes_per_step = (arch.layers // p) * M * (passes * fwd + epochs * bwd)
     if c > 1:
-        plan.cp_link = "intra" if t * c <= hw.gpus_per_node else "inter"
+        plan.cp_link = "intra" if layout is not None else "inter"  # the placement keeps TP x CP groups in a node
         bw = hw.intra_node_gbps if plan.cp_link == "intra" else hw.inter_node_gbps
         plan.cp_seconds_per_step = plan.cp_ring_bytes_per_step / (bw * 1e9)
     plan.push_bytes_per_step = arch.params() * w + draft_params * 4
-    plan.push_seconds_per_step = plan.push_bytes_per_step / (hw.inter_node_gbps * 1e9)
+    # trainer rank 0 sends; engines on another node make the push cross nodes (object_store / nccl)
+    remote = layout is None or any(n != rank_node[0] for n in layout.engine_node)
+    plan.push_link = "inter" if remote else "intra"
+    plan.push_seconds_per_step = plan.push_bytes_per_step / ((hw.inter_node_gbps if remote else hw.intra_node_gbps) * 1e9)
     stage0 = plan.stages[0].params
     plan.dp_allreduce_bytes_per_step = int(2 * (dp - 1) / dp * stage0 * 4 * epochs) if dp > 1 else 0
-    if t * c > hw.gpus_per_node:
-        plan.notes.append(f"TP x CP = {t * c} ranks exceed a node of {hw.gpus_per_node}: their collectives cross nodes")
+
     for st in plan.stages:
         if not st.fits:
             plan.notes.append(f"stage {st.stage} needs {st.total_gib:.1f} GiB > {hw.gpu_mem_gib:g} GiB per GPU")
@@ -251,10 +289,19 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"{s.stage:>5} {s.node:>4} {s.layers:>6} {s.params / 1e6:>10.1f}M {s.state_gib:>10.2f} "
                      f"{s.activation_gib:>11.2f} {s.drafter_gib:>12.2f} {s.total_gib:>10.2f}  {'yes' if s.fits else 'NO':>4}"
                      f"  {s.tap_bytes_per_microbatch:>12,} {s.tap_link:>9} {s.tap_seconds_per_step:>11.4f}")
+    pl = plan.placement
+    if pl:
+        nodes = []
+        for n in range(pl["num_nodes"]):
+            ranks = [r for r, x in enumerate(pl["rank_node"]) if x == n]
+            engines = [e for e, x in enumerate(pl["engine_node"]) if x == n]
+            nodes.append(f"node {n}: ranks {ranks or '-'}, engines {engines or '-'}")
+        lines.insert(1, f"placement ({pl['num_nodes']} node(s), {pl['ranks_per_node']} ranks per trainer node): "
+                        + "; ".join(nodes))
     lines += [f"CP ring per rank and step: {plan.cp_ring_bytes_per_step:,} bytes ({plan.cp_link}), "
               f"{plan.cp_seconds_per_step:.3f} s",
               f"weight pushes per step: {plan.push_bytes_per_step:,} bytes, {plan.push_seconds_per_step:.3f} s "
-              "(at the inter-node bandwidth)",
+              f"({plan.push_link}-node)",
               f"DP gradient all-reduce per rank and step: {plan.dp_allreduce_bytes_per_step:,} bytes"]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
@@ -268,6 +315,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--gpu-mem-gib", type=float, default=80.0)
     ap.add_argument("--intra-node-gbps", type=float, default=400.0, help="GB/s within a node")
     ap.add_argument("--inter-node-gbps", type=float, default=50.0, help="GB/s between nodes")
+    ap.add_argument("--num-nodes", type=int, help="nodes of the run (default: cluster.num_nodes, raised to the "
+                    "fewest that hold the ranks and engines)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.add_argument("overrides", nargs="*", metavar="key.path=value")
     args = ap.parse_args(argv)
@@ -282,7 +331,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"config error ({args.config}):\n{e}", file=sys.stderr)
         return 2
     hw = Hardware(args.gpus_per_node, args.gpu_mem_gib, args.intra_node_gbps, args.inter_node_gbps)
-    plan = make_plan(cfg, load_arch(cfg.policy.model_path), hw)
+    plan = make_plan(cfg, load_arch(cfg.policy.model_path), hw, args.num_nodes)
     print(json.dumps(asdict(plan), indent=1) if args.json else format_plan(plan))
     return 0
 

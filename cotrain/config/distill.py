@@ -17,9 +17,9 @@ from cotrain.config.schema import DraftConfig, GcdTaskConfig, StrictModel
 class DistillDataConfig(StrictModel):
     """Prompts and the target's responses."""
 
-    task: Literal["arithmetic", "gcd", "jsonl"] = "arithmetic"
-    """Prompt source: the built-in arithmetic task, the built-in gcd task (``gcd``), or a JSONL
-    file (``jsonl_path``)."""
+    task: Literal["arithmetic", "gcd", "words", "jsonl"] = "arithmetic"
+    """Prompt source: the built-in arithmetic task, the built-in gcd task (``gcd``), the built-in
+    words target's copy task (``words``, for target builtin:words), or a JSONL file (``jsonl_path``)."""
     jsonl_path: Optional[str] = None
     """JSONL file with one ``{"prompt": ...}`` object per line (task jsonl)."""
     prompt_key: str = "prompt"
@@ -61,7 +61,7 @@ class DistillConfig(StrictModel):
     """Offline distillation of a drafter from a target."""
 
     target: str = "builtin:tiny"
-    """The target: 'builtin:tiny', 'builtin:small' or a Hugging Face checkpoint directory."""
+    """The target: 'builtin:tiny', 'builtin:small', 'builtin:words' or a Hugging Face checkpoint directory."""
     output_dir: str = "runs/distill"
     """Where the drafter, metrics and curves go."""
     threads: Optional[Annotated[int, Field(ge=1)]] = 1
@@ -102,6 +102,9 @@ def load_distill_config(path: Optional[str | Path] = None, overrides: list[str] 
     if unused:
         raise ValueError(f"draft.{unused[0]}: used only by a GRPO run's co-training, not by offline distillation "
                          f"(remove {', '.join('draft.' + k for k in unused)})")
+    if getattr(cfg.draft.settings, "vocab_rebuild_every", 0):
+        raise ValueError(f"draft.{cfg.draft.kind}.vocab_rebuild_every: used only by a GRPO run's co-training; "
+                         "offline distillation builds the draft vocabulary once, from its data (set it to 0)")
     loss = cfg.draft.loss or cfg.draft.settings.default_loss
     if loss not in cfg.draft.settings.allowed_losses:
         raise ValueError(f"draft.loss: {loss!r} is not allowed for kind {cfg.draft.kind!r} "

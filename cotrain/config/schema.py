@@ -123,9 +123,17 @@ class ClusterConfig(StrictModel):
     cluster on this machine; 'ray://HOST:PORT', 'http://HOST:PORT' (the dashboard, e.g.
     http://127.0.0.1:8265) or 'HOST:PORT' (the GCS) = that cluster."""
     num_nodes: PosInt = 1
-    """Number of nodes the run may use."""
+    """Number of nodes the run uses. 1 = actors are scheduled as Ray places them (one machine). More:
+    one placement group reserves every trainer rank's and engine's resources on a chosen node
+    (docs/multinode.md): ranks in Megatron's order (TP fastest, then CP, DP, PP) in whole TP x CP
+    groups per node, spread evenly over the trainer nodes, so the pipeline crosses nodes and TP / CP
+    groups never do."""
+    engine_nodes: NonNegInt = 0
+    """With num_nodes > 1: 0 = the rollout engines share the trainers' nodes (spread evenly, next to
+    the ranks); n = the last n nodes run engines only (and no trainer rank). Must be below num_nodes."""
     cpus_per_node: PosInt | None = None
-    """Ray CPUs per node. null = the CPU count of the machine running the driver."""
+    """Ray CPUs per node (every node of the run must have them). null = the CPU count of the machine
+    running the driver."""
     gpus_per_node: NonNegInt = 0
     """GPUs per node (0 on CPU machines)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -330,10 +338,12 @@ class RolloutConfig(StrictModel):
     """Sampling parameters."""
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     """Speculative decoding."""
-    weight_transport: Literal["auto", "shm", "cuda_ipc", "nccl"] = "auto"
-    """How trained weights reach the engines: shm (CPU bytes in shared memory, one node),
-    cuda_ipc (colocated GPUs), nccl (broadcast). auto = cuda_ipc when colocated on cuda, nccl on
-    cuda otherwise, shm on cpu."""
+    weight_transport: Literal["auto", "shm", "object_store", "cuda_ipc", "nccl"] = "auto"
+    """How trained weights reach the engines: shm (CPU bytes in shared memory, one node);
+    object_store (shm for the engines on trainer rank 0's node, Ray's object store for the other
+    nodes: the bytes cross once per node); cuda_ipc (colocated GPUs); nccl (broadcast group of
+    trainer rank 0 and every engine). auto = cuda_ipc when colocated on cuda, nccl on cuda
+    otherwise; on cpu shm on one node, object_store on several."""
 
 
 # -------------------------------------------------------------------------------------- draft kinds
@@ -399,6 +409,10 @@ class DraftKindConfig(StrictModel):
                            f"0..{num_hidden_layers - 1})"))
         return issues
 
+    def check_vocab(self, vocab_size: int) -> list[tuple[str, str]]:
+        """Cross-checks against the target's vocabulary size (path, message)."""
+        return []
+
     def resolve(self, num_hidden_layers: int) -> None:
         """Fill null fields that depend on the target."""
         if self.tap_layers is None:
@@ -419,13 +433,42 @@ class Eagle3Config(DraftKindConfig):
     num_layers: PosInt = 1
     """Decoder layers of the drafter."""
     draft_vocab_size: PosInt | None = None
-    """Size of the drafter's own vocabulary (mapped with d2t). null = the target's."""
+    """Size N of the drafter's own vocabulary: its LM head and loss cover only the N most frequent
+    target tokens, and the export carries vLLM's d2t (target id = draft id + d2t[draft id]); a target
+    token outside it is never drafted. Real targets (150k tokens) use 32000, SpecForge's and vLLM's
+    default. Built from token counts: offline from the distillation data's response tokens; when
+    co-training, the initial drafter's mapping (draft.init) or, from scratch, the first step's
+    rollout tokens (that step then takes no drafter update). null (or the target's vocab_size) = the
+    whole vocabulary, no d2t."""
+    vocab_rebuild_every: NonNegInt = 0
+    """Co-training with a reduced draft vocabulary: every this many GRPO steps, rebuild the mapping
+    from the rollout tokens counted since the last rebuild (after that step's drafter update); tokens
+    that stay keep their LM head rows and optimizer state, new tokens start from the policy's LM head
+    rows. The next drafter push carries the new head with its d2t (every push carries both).
+    0 = the mapping stays fixed."""
 
     def default_tap_layers(self, num_hidden_layers: int) -> list[int]:
         n = num_hidden_layers
         if n >= 8:
             return [1, n // 2 - 1, n - 4]
         return spread_layers(3, 0, n - 1)
+
+    def check(self, num_hidden_layers: int) -> list[tuple[str, str]]:
+        issues = super().check(num_hidden_layers)
+        if self.vocab_rebuild_every and self.draft_vocab_size is None:
+            issues.append(("vocab_rebuild_every", f"{self.vocab_rebuild_every} needs a reduced vocabulary "
+                           "(set draft_vocab_size, or vocab_rebuild_every: 0)"))
+        return issues
+
+    def check_vocab(self, vocab_size: int) -> list[tuple[str, str]]:
+        if self.draft_vocab_size is not None and self.draft_vocab_size > vocab_size:
+            return [("draft_vocab_size", f"{self.draft_vocab_size} exceeds the target's vocabulary of {vocab_size} "
+                     f"tokens (allowed: 1..{vocab_size}, or null = the whole vocabulary)")]
+        return []
+
+    def reduced_vocab(self, vocab_size: int) -> bool:
+        """Whether the drafter has a reduced vocabulary (a d2t) on a target of ``vocab_size`` tokens."""
+        return self.draft_vocab_size is not None and self.draft_vocab_size < vocab_size
 
 
 class DFlashConfig(DraftKindConfig):
@@ -576,8 +619,10 @@ class DraftConfig(StrictModel):
     push_every: PosInt = 1
     """Push the co-trained drafter into the engines every this many steps."""
     tap_transport: Literal["auto", "shm", "gloo", "nccl", "cuda_ipc"] = "auto"
-    """How taps from earlier pipeline stages reach the drafter's stage (TapChannel). auto = shm on
-    CPU, cuda_ipc on GPU (both within one node; gloo / nccl across nodes)."""
+    """How taps from earlier pipeline stages reach the drafter's stage (TapChannel). auto = per
+    source stage by its link: a source on the drafter's node shm (CPU) / cuda_ipc (GPU), one on
+    another node gloo / nccl (from the ranks' Ray node ids at start; on one node auto resolves to
+    shm / cuda_ipc). A name = that transport for every source (shm / cuda_ipc only within a node)."""
     tap_timeout_s: PosFloat = 120.0
     """Seconds the drafter's stage waits for a tap (or a writer for a free slot) before the step
     fails with an error naming the layer and source rank."""

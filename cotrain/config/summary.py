@@ -17,7 +17,8 @@ def summary_rows(cfg: CotrainConfig) -> list[tuple[str, str]]:
         ("run", f"{cfg.run.name} -> {cfg.run.output_dir} (seed {cfg.run.seed})"),
         ("sources", " + ".join(_short(s) for s in cfg.sources) or "-"),
         ("cluster", f"{c.ray_address or 'local Ray / job cluster'}; {c.num_nodes} node(s) x "
-                    f"{c.cpus_per_node} CPUs, {c.gpus_per_node} GPUs; device {c.device}"),
+                    f"{c.cpus_per_node} CPUs, {c.gpus_per_node} GPUs"
+                    f"{f' (the last {c.engine_nodes} engines only)' if c.engine_nodes else ''}; device {c.device}"),
     ]
     model = pol.model_path
     if arch is not None:

@@ -135,11 +135,12 @@ def resolve(cfg: CotrainConfig, arch: ModelArch | None) -> None:
             r.gpu_memory_utilization = 0.4 if r.colocate else 0.85
         else:
             r.kv_cache_memory_bytes = 256 * 2**20
+    multi = c.num_nodes > 1
     if r.weight_transport == "auto":
-        r.weight_transport = ("cuda_ipc" if r.colocate else "nccl") if cuda else "shm"
-    if cfg.draft.tap_transport == "auto":  # one node: shared memory / IPC; several: a p2p group
-        multi = c.num_nodes > 1
-        cfg.draft.tap_transport = ("nccl" if multi else "cuda_ipc") if cuda else ("gloo" if multi else "shm")
+        r.weight_transport = ("cuda_ipc" if r.colocate else "nccl") if cuda else ("object_store" if multi else "shm")
+    if cfg.draft.tap_transport == "auto" and not multi:  # one node: shared memory / IPC
+        cfg.draft.tap_transport = "cuda_ipc" if cuda else "shm"
+    # several nodes: auto stays, resolved per source stage from the ranks' Ray node ids at start
     kind = _kind(cfg)
     if kind is not None:
         if cfg.draft.loss is None:
@@ -248,7 +249,18 @@ def check_resources(cfg: CotrainConfig) -> list[Issue]:
         if gpe < r.tensor_parallel and not r.colocate:
             issues.append(("rollout.gpus_per_engine", f"{gpe:g} is less than rollout.tensor_parallel="
                            f"{r.tensor_parallel} (allowed: >= {r.tensor_parallel}, or rollout.colocate=true)"))
+    if not issues:  # the totals fit: now node by node (cotrain.placement, the layout the run uses)
+        issues += check_placement(cfg)
     return issues
+
+
+def check_placement(cfg: CotrainConfig) -> list[Issue]:
+    """Every trainer rank and engine on a node (cotrain.placement.node_layout): TP and CP groups
+    inside a node, cluster.engine_nodes below cluster.num_nodes, each node's share within its
+    resources."""
+    from cotrain.placement import layout_issues
+
+    return layout_issues(cfg)[1]
 
 
 def check_batches(cfg: CotrainConfig) -> list[Issue]:
@@ -314,7 +326,7 @@ def check_rollout(cfg: CotrainConfig) -> list[Issue]:
         issues.append(("rollout.weight_transport", "cuda_ipc needs rollout.colocate=true (allowed: nccl, auto)"))
     if wt == "shm" and c.num_nodes > 1:
         issues.append(("rollout.weight_transport", f"shm works within one node, cluster.num_nodes="
-                       f"{c.num_nodes} (allowed: nccl on cuda, auto)"))
+                       f"{c.num_nodes} (allowed: nccl on cuda, object_store, auto)"))
     issues += check_speculative(cfg)
     return issues
 
@@ -439,6 +451,8 @@ def check_draft(cfg: CotrainConfig, arch: ModelArch | None) -> list[Issue]:
                        f"{', '.join(kcls.allowed_losses)})"))
     if arch is not None:
         issues += [(f"draft.{d.kind}.{path}", msg) for path, msg in kind.check(arch.num_hidden_layers)]
+        if arch.vocab_size is not None:
+            issues += [(f"draft.{d.kind}.{path}", msg) for path, msg in kind.check_vocab(arch.vocab_size)]
     spec = cfg.rollout.speculative
     if not d.cotrain and spec.draft_model is None:
         issues.append(("draft.cotrain", f"false with draft.kind={d.kind} and no drafter weights: the drafter "
@@ -457,11 +471,32 @@ def check_draft(cfg: CotrainConfig, arch: ModelArch | None) -> list[Issue]:
     if t in ("nccl", "cuda_ipc") and not cuda:
         issues.append(("draft.tap_transport", f"{t} needs cluster.device=cuda (allowed on cpu: shm, gloo, auto)"))
     if t in ("shm", "cuda_ipc") and cfg.cluster.num_nodes > 1 and cfg.policy.parallel.pipeline > 1:
-        issues.append(("draft.tap_transport", f"{t} works within one node, cluster.num_nodes={cfg.cluster.num_nodes} "
-                       "(allowed: " + ("nccl" if cuda else "gloo") + ")"))
+        across = _taps_across_nodes(cfg, arch)
+        if across:
+            issues.append(("draft.tap_transport", f"{t} works within one node; with cluster.num_nodes="
+                           f"{cfg.cluster.num_nodes} {across} (allowed: auto, " + ("nccl" if cuda else "gloo") + ")"))
     if d.init is not None and arch is not None:
         issues += check_draft_init(cfg, arch)
     return issues
+
+
+def _taps_across_nodes(cfg: CotrainConfig, arch: ModelArch | None) -> str:
+    """Which tap sources sit on another node than their drafter's stage ('' if none or unknown)."""
+    from cotrain.placement import layout_issues
+
+    layout, _ = layout_issues(cfg)
+    if layout is None:
+        return ""  # check_resources reports why
+    p = cfg.policy.parallel
+    span, pp = p.tensor * p.context * p.data, p.pipeline
+    stages = set(range(pp - 1))
+    kind = cfg.draft.settings
+    if arch is not None and kind is not None and getattr(kind, "tap_layers", None):
+        per = arch.num_hidden_layers // pp
+        stages = {layer // per for layer in kind.tap_layers if layer // per < pp - 1}
+    bad = sorted({s for s in stages for i in range(span)
+                  if layout.rank_node[s * span + i] != layout.rank_node[(pp - 1) * span + i]})
+    return f"pipeline stage(s) {bad} send taps from another node than the drafter's stage {pp - 1}" if bad else ""
 
 
 #: drafter settings that shape its tensors: a drafter directory must agree with the config on them

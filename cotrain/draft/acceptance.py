@@ -17,6 +17,10 @@ Three numbers come out (acceptance length counts the bonus token, as vLLM does: 
   the end-of-sequence token count when they match the target's greedy continuation (vLLM's
   sampler accepts them before the output is cut at EOS), so sequences should carry at least k
   tokens of the target's greedy continuation after EOS.
+
+A drafter with a reduced draft vocabulary (EAGLE-3 ``draft_vocab_size``, ``drafter.vocab``) drafts
+target token ``vocab.to_target(argmax)``, as vLLM does with ``d2t``: where the target's greedy
+token lies outside the draft vocabulary the draft is rejected, whatever the drafter's logits.
 """
 
 from __future__ import annotations
@@ -44,10 +48,15 @@ class AcceptanceReport:
         return asdict(self)
 
 
-def greedy_matches(out: DraftOutput, target_logits: torch.Tensor) -> torch.Tensor:
-    """(N, W) bool: draft j equals the target's greedy token at its row (False where invalid)."""
+def greedy_matches(out: DraftOutput, target_logits: torch.Tensor, vocab=None) -> torch.Tensor:
+    """(N, W) bool: draft j equals the target's greedy token at its row (False where invalid).
+    ``vocab``: the drafter's reduced draft vocabulary (draft ids are mapped to target ids, so a
+    target token outside it never matches)."""
     tgt = target_logits.argmax(-1)[out.target_rows.clamp(min=0)]
-    return (out.logits.argmax(-1) == tgt) & out.valid
+    drafted = out.logits.argmax(-1)
+    if vocab is not None:
+        drafted = vocab.to_target(drafted)
+    return (drafted == tgt) & out.valid
 
 
 def accept_lengths(matches: torch.Tensor, k: int) -> torch.Tensor:
@@ -69,7 +78,7 @@ def _chain_outputs(drafter, batch: DraftBatch, seqs_per_chunk: int) -> tuple[tor
         else:
             layout = drafter.build_layout(sub)
         out = drafter(sub, layout)
-        m = greedy_matches(out, sub.target_logits)
+        m = greedy_matches(out, sub.target_logits, getattr(drafter, "vocab", None))
         bonus.append(out.bonus_pos + int(batch.cu_seqlens[s0]))
         matches.append(m)
         valid.append(out.valid)

@@ -23,7 +23,7 @@ from cotrain.config.distill import DistillConfig, load_distill_config
 from cotrain.draft.distill import distill
 
 _CODE_FILES = ("common.py", "registry.py", "eagle3.py", "dflash.py", "dspark.py", "losses.py", "taps.py",
-               "distill.py", "export.py", "optim.py")
+               "distill.py", "export.py", "optim.py", "vocab.py")
 
 
 def _code_hash() -> str:

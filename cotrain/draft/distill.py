@@ -60,6 +60,10 @@ def load_prompts(cfg: DistillDataConfig, n: int, seed: int) -> list[str]:
         from cotrain.tasks.gcd import gcd_dataset
 
         return [p.prompt for p in gcd_dataset(n, seed=seed, **cfg.gcd.model_dump())]
+    if cfg.task == "words":
+        from cotrain.models.words import WORDS_TASK, words_dataset
+
+        return [p.prompt for p in words_dataset(n, seed=seed, **WORDS_TASK)]
     if not cfg.jsonl_path:
         raise ValueError("data.jsonl_path is required for task jsonl")
     rows = [json.loads(line) for line in Path(cfg.jsonl_path).read_text().splitlines() if line.strip()]
@@ -142,7 +146,7 @@ def train_step(drafter: Drafter, batch: DraftBatch, loss_name: str, optimizer: t
     out = drafter(batch, layout)
     p = target_probs(batch.target_logits, out)
     labels = batch.input_ids[(out.target_rows + 1).clamp(min=0, max=batch.num_tokens - 1)]
-    loss, metrics = draft_loss(loss_name, out, p, labels=labels, **(extra or {}))
+    loss, metrics = draft_loss(loss_name, out, p, labels=labels, vocab=getattr(drafter, "vocab", None), **(extra or {}))
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     params = [q for q in drafter.parameters() if q.grad is not None]
@@ -210,6 +214,26 @@ def train_drafter(drafter: Drafter, train: DraftBatch, evals: DraftBatch, cfg: D
     return history
 
 
+def build_draft_vocab(drafter: Drafter, train: DraftBatch, evals: Optional[DraftBatch] = None) -> Optional[dict]:
+    """A drafter with a reduced draft vocabulary (EAGLE-3 ``draft_vocab_size``) gets the mapping of
+    the most frequent supervised tokens of ``train`` (:mod:`cotrain.draft.vocab`), its LM head rows
+    taken from the target's. Returns its size and coverage (share of the supervised tokens inside
+    it) on ``train`` and ``evals``; None for a drafter without one."""
+    from cotrain.draft.vocab import DraftVocab, token_counts
+
+    vocab = getattr(drafter, "vocab", None)
+    if vocab is None:
+        return None
+    counts = token_counts(train.input_ids, train.loss_mask, vocab.vocab_size)
+    vocab = DraftVocab.from_counts(counts, vocab.size)
+    drafter.set_vocab(vocab)
+    info = {"size": vocab.size, "target_vocab_size": vocab.vocab_size, "coverage_train": vocab.coverage(counts),
+            "distinct_train_tokens": int((counts > 0).sum())}
+    if evals is not None:
+        info["coverage_eval"] = vocab.coverage(token_counts(evals.input_ids, evals.loss_mask, vocab.vocab_size))
+    return info
+
+
 def plot_curves(history: dict, path: str | Path, title: str) -> None:
     import matplotlib
 
@@ -274,6 +298,7 @@ def _distill(cfg: DistillConfig) -> dict:
     t0 = time.time()
     train, evals = prepare_data(cfg, model, tokenizer, drafter.tap_layers)
     t_data = time.time() - t0
+    vocab_info = build_draft_vocab(drafter, train, evals)
     history = train_drafter(drafter, train, evals, cfg, target.eos_token_id)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -287,6 +312,8 @@ def _distill(cfg: DistillConfig) -> dict:
         "train_sequences": train.num_seqs, "eval_sequences": evals.num_seqs,
         "trainable_params": sum(q.numel() for q in drafter.parameters() if q.requires_grad),
     }
+    if vocab_info:
+        summary["draft_vocab"] = vocab_info
     export_drafter(drafter, out / "drafter", metadata={"distill": summary, "config": cfg.model_dump(mode="json")})
     (out / "metrics.json").write_text(json.dumps({"summary": summary, "history": history}, indent=1))
     plot_curves(history, out / "curves.png", f"{cfg.draft.kind} distillation ({history['loss_name']})")

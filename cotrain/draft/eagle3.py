@@ -17,6 +17,13 @@ passes zero (intra="causal" hides them), and without main queries (the trunk giv
 only: ``q=None``), so under CP their ring plan is built once; pass 0 attends over the trunk alone.
 
 Chains: the chain at anchor p has bonus position p+1 and k drafts (pass t = draft t).
+
+Reduced draft vocabulary (``draft_vocab_size`` N below the target's V): the LM head has N rows,
+one per token of ``self.vocab`` (:class:`~cotrain.draft.vocab.DraftVocab`), initialised from the
+target's head rows of those tokens; the chains' logits are over the N draft ids, the losses and the
+acceptance estimator map them (:mod:`cotrain.draft.vocab`), and the export carries vLLM's ``d2t``.
+Built without data the mapping is a placeholder (the first N ids) until :meth:`set_vocab` installs
+one built from token counts (distillation, co-training) or a checkpoint's ``d2t`` is loaded.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from cotrain.draft.common import (
 )
 from cotrain.draft.registry import Drafter, register_drafter
 from cotrain.draft.taps import TargetSpec
+from cotrain.draft.vocab import DraftVocab
 from cotrain.parallel import BranchLayout, anchor_owner, eagle3_ttt_layout
 
 
@@ -79,22 +87,43 @@ class Eagle3Drafter(Drafter):
         self.fc = nn.Linear(self.num_taps * H, H, bias=False)
         self.layers = nn.ModuleList([Eagle3Layer(a, first=(i == 0)) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(H, a.rms_norm_eps)
-        self.lm_head = nn.Linear(H, a.vocab_size, bias=False)
+        V = a.vocab_size
+        #: the reduced draft vocabulary (None: the drafter's head covers the target's whole vocabulary)
+        self.vocab: Optional[DraftVocab] = DraftVocab.first(cfg.draft_vocab_size, V) if cfg.reduced_vocab(V) else None
+        self.lm_head = nn.Linear(H, self.vocab.size if self.vocab is not None else V, bias=False)
         init_linear_(self, generator=generator)
         with torch.no_grad():
             # the target's head plus a little noise: vLLM aliases a drafter head that is *identical* to
             # the target's, after which run-time pushes of lm_head are refused (they would overwrite
             # the target's); the noise keeps the two apart from the start
             noise = torch.randn(target.lm_head.shape, generator=generator) * 1e-4
-            self.lm_head.weight.copy_(target.lm_head + noise)
+            rows = target.lm_head + noise
+            self.lm_head.weight.copy_(rows if self.vocab is None else rows[self.vocab.target_ids])
             self.norm.weight.copy_(target.final_norm)
 
     def extra_checks(self, cfg: DraftKindConfig, target: TargetSpec) -> list[tuple[str, str]]:
-        issues = []
-        if cfg.draft_vocab_size is not None and cfg.draft_vocab_size != target.arch.vocab_size:
-            issues.append(("draft_vocab_size", f"{cfg.draft_vocab_size} is not supported yet (allowed: null or "
-                           f"the target's vocab_size {target.arch.vocab_size}; a reduced vocabulary needs d2t)"))
-        return issues
+        return cfg.check_vocab(target.arch.vocab_size)
+
+    # ----- draft vocabulary ---------------------------------------------------------------------
+    @torch.no_grad()
+    def set_vocab(self, vocab: DraftVocab, remap: bool = True) -> torch.Tensor:
+        """Install the draft vocabulary ``vocab`` (same size). With ``remap`` the LM head follows it:
+        a token in both keeps its row, a new token gets the target's current head row
+        (``target_lm_head``, the policy's under co-training). Returns, for each new draft id, its old
+        draft id (-1 = new token), for the optimizer state (:func:`remap_optimizer_rows`)."""
+        if self.vocab is None:
+            raise ValueError("this EAGLE-3 drafter has no reduced vocabulary (draft_vocab_size is null or the "
+                             "target's vocab_size)")
+        if vocab.size != self.vocab.size or vocab.vocab_size != self.vocab.vocab_size:
+            raise ValueError(f"draft vocabulary of {vocab.size} tokens over {vocab.vocab_size} does not fit the "
+                             f"drafter's {self.vocab.size} over {self.vocab.vocab_size}")
+        old = self.vocab
+        src = old.to_draft(vocab.target_ids)
+        if remap:
+            w = self.lm_head.weight
+            w.copy_(vocab.remap_rows(old, w.detach().clone(), self.target_lm_head.to(w.device)))
+        self.vocab = vocab
+        return src
 
     @property
     def num_passes(self) -> int:
@@ -228,7 +257,33 @@ class Eagle3Drafter(Drafter):
 
     def vllm_state_dict(self) -> dict[str, torch.Tensor]:
         own = dict(self.named_parameters())
-        return {v: own[p].detach().clone() for v, p in self._vllm_name_map().items()}
+        out = {v: own[p].detach().clone() for v, p in self._vllm_name_map().items()}
+        if self.vocab is not None:  # vLLM's draft -> target offsets (int64; t2d is not read by vLLM)
+            out["d2t"] = self.vocab.d2t.clone()
+        return out
+
+    def load_vllm_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        state = dict(state)
+        d2t, t2d = state.pop("d2t", None), state.pop("t2d", None)
+        V = self.target_arch.vocab_size
+        if self.vocab is None and d2t is not None and d2t.numel() != V:
+            raise ValueError(f"checkpoint has a reduced draft vocabulary of {d2t.numel()} tokens (d2t); this drafter "
+                             f"has the whole vocabulary (set draft.eagle3.draft_vocab_size: {d2t.numel()})")
+        if self.vocab is not None:
+            if d2t is None:
+                if strict:
+                    raise KeyError(f"eagle3 checkpoint: no d2t, but draft_vocab_size is {self.vocab.size} (a reduced "
+                                   "vocabulary needs its mapping)")
+            else:
+                if d2t.numel() != self.vocab.size:
+                    raise ValueError(f"d2t has {d2t.numel()} entries, draft.eagle3.draft_vocab_size is "
+                                     f"{self.vocab.size} (set it to {d2t.numel()})")
+                vocab = DraftVocab.from_d2t(d2t, V)
+                if t2d is not None and not torch.equal(t2d.bool().cpu(), vocab.t2d):
+                    raise ValueError("t2d does not select the target ids of d2t (nonzero(t2d) must equal "
+                                     "arange(N) + d2t)")
+                self.set_vocab(vocab, remap=False)
+        super().load_vllm_state_dict(state, strict)
 
     def vllm_config(self) -> dict:
         cfg = self._base_qwen_like_config()
@@ -236,13 +291,29 @@ class Eagle3Drafter(Drafter):
             "architectures": [self.vllm_architecture],
             "model_type": "llama",
             "num_hidden_layers": len(self.layers),
-            "draft_vocab_size": self.target_arch.vocab_size,
+            "draft_vocab_size": self.vocab.size if self.vocab is not None else self.target_arch.vocab_size,
             "num_aux_hidden_states": self.num_taps,
             "eagle_aux_hidden_state_layer_ids": self.vllm_tap_ids,
             "norm_before_fc": False,
-            "cotrain": {"kind": self.kind, "tap_layers": self.tap_layers, "ttt_steps": self.num_passes},
+            "cotrain": {"kind": self.kind, "tap_layers": self.tap_layers, "ttt_steps": self.num_passes,
+                        **({"draft_vocab": {"source": self.vocab.source, "version": self.vocab.version}}
+                           if self.vocab is not None else {})},
         })
         return cfg
+
+
+def remap_optimizer_rows(optimizer: torch.optim.Optimizer, param: torch.Tensor, src: torch.Tensor) -> None:
+    """After :meth:`Eagle3Drafter.set_vocab`: move the optimizer's per-row state of ``param`` (Adam's
+    moments of the LM head) with the rows; rows of new tokens start from zero."""
+    st = optimizer.state.get(param)
+    if not st:
+        return
+    kept = src >= 0
+    for key, t in st.items():
+        if torch.is_tensor(t) and t.shape == param.shape:
+            new = torch.zeros_like(t)
+            new[kept.to(t.device)] = t[src[kept].to(t.device)]
+            t.copy_(new)
 
 
 register_drafter("eagle3", Eagle3Drafter)

@@ -10,7 +10,9 @@ Per family (see each module for the architecture):
 
 (taps in cotrain's convention, the output of layer i; see :mod:`cotrain.draft.taps`.)
 The drafter's own tensors are written; the target's embeddings (all three) and LM head (DFlash,
-DSpark) are shared by vLLM and never written. config.json also carries a ``cotrain`` section
+DSpark) are shared by vLLM and never written. An EAGLE-3 drafter with a reduced draft vocabulary
+also writes ``d2t`` (int64, target id = draft id + d2t[draft id]; ``draft_vocab_size`` in
+config.json = its length); vLLM skips ``t2d``, so it is not written (:mod:`cotrain.draft.vocab`). config.json also carries a ``cotrain`` section
 (kind, tap layers, block size / TTT steps) and ``cotrain_drafter.json`` the full settings, so
 :func:`load_drafter` can rebuild the training module from an export.
 """
@@ -40,7 +42,9 @@ def export_drafter(drafter: Drafter, out_dir: str | Path, metadata: Optional[dic
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     config = drafter.vllm_config()
-    state = {k: v.detach().to(torch.float32).contiguous().cpu() for k, v in drafter.vllm_state_dict().items()}
+    # floating tensors as float32; integer ones (EAGLE-3's d2t) keep their dtype (vLLM loads d2t as int64)
+    state = {k: (v.detach().to(torch.float32) if v.is_floating_point() else v.detach()).contiguous().cpu()
+             for k, v in drafter.vllm_state_dict().items()}
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))

@@ -24,6 +24,17 @@ itself proposed at positions < j; the training chain conditions on the reference
 the expected accepted length under conditional proposals. It is a smooth objective aligned with
 acceptance, not an unbiased estimate of it; the acceptance estimator
 (:mod:`cotrain.draft.acceptance`) is the metric to report.
+
+Reduced draft vocabulary (``vocab``, an EAGLE-3 drafter's :class:`~cotrain.draft.vocab.DraftVocab`;
+the drafter's logits then have N < V columns, p keeps the target's V): as SpecForge defines it, the
+cross-entropies (``soft_ce``, ``forward_kl``, ``dspark_l1``) use p restricted to the draft tokens and
+renormalised, and drop the positions whose target greedy token is outside the draft vocabulary
+(the drafter can never propose it); ``hard_ce`` drops the positions whose label is outside.
+``e2e_tv`` and the ``overlap`` metric use p restricted but *not* renormalised - the acceptance
+probability sum_{v in draft} min(p_v, q_v), the mass outside never accepted - on every valid
+position (an unreachable token breaks the chain, as in serving). ``top1_match`` compares the
+mapped draft token with the target's greedy token. ``metrics["weight"]`` is the loss's denominator
+(the weight of the positions it counts), which callers that sum losses over microbatches need.
 """
 
 from __future__ import annotations
@@ -117,31 +128,52 @@ def target_probs(target_logits: torch.Tensor, out: DraftOutput, temperature: flo
 
 
 def draft_loss(name: str, out: DraftOutput, p: torch.Tensor, labels: Optional[torch.Tensor] = None,
-               l1_weight: float = 1.0, confidence_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
+               l1_weight: float = 1.0, confidence_weight: float = 1.0, vocab=None) -> tuple[torch.Tensor, dict]:
     """The loss ``name`` (one of LOSSES) on chains ``out`` against target distributions ``p``
-    (N, W, V), detached here. ``labels`` (N, W): the tokens for hard_ce. Returns (loss, metrics)."""
+    (N, W, V), detached here. ``labels`` (N, W): the tokens for hard_ce. ``vocab``: the drafter's
+    reduced draft vocabulary (its logits then have vocab.size columns; see the module doc).
+    Returns (loss, metrics); ``metrics["weight"]`` is the loss's denominator."""
     if name not in LOSSES:
         raise ValueError(f"unknown drafter loss {name!r} (allowed: {', '.join(LOSSES)})")
-    if p.shape != out.logits.shape:
-        raise ValueError(f"target distributions {tuple(p.shape)} do not match the chains {tuple(out.logits.shape)}")
     p = p.detach()
     w = out.loss_weight
+    valid = out.valid
+    if vocab is not None:
+        if p.shape[:-1] != out.logits.shape[:-1] or out.logits.shape[-1] != vocab.size:
+            raise ValueError(f"target distributions {tuple(p.shape)} and chains {tuple(out.logits.shape)} do not fit "
+                             f"a draft vocabulary of {vocab.size} over {vocab.vocab_size} tokens")
+        r = vocab.restrict(p)
+        p_ce, p_acc, ce_valid = r.p, r.p_on_draft, valid & r.in_vocab
+        greedy = vocab.to_target(out.logits.argmax(-1))
+        if labels is not None:
+            labels = vocab.to_draft(labels)
+    else:
+        if p.shape != out.logits.shape:
+            raise ValueError(f"target distributions {tuple(p.shape)} do not match the chains {tuple(out.logits.shape)}")
+        p_ce, p_acc, ce_valid = p, p, valid
+        greedy = out.logits.argmax(-1)
     metrics: dict = {}
+    counted = ce_valid
     if name == "soft_ce":
-        loss = soft_ce(out.logits, p, out.valid, w)
+        loss = soft_ce(out.logits, p_ce, ce_valid, w)
     elif name == "forward_kl":
-        loss = forward_kl(out.logits, p, out.valid, w)
+        loss = forward_kl(out.logits, p_ce, ce_valid, w)
     elif name == "hard_ce":
         if labels is None:
             raise ValueError("hard_ce needs labels (the target's sampled tokens)")
-        loss = hard_ce(out.logits, labels, out.valid, w)
+        loss = hard_ce(out.logits, labels, valid, w)
+        counted = valid & (labels >= 0)
     elif name == "dspark_l1":
-        loss, metrics = dspark_l1(out.logits, p, out.valid, w, out.confidence, l1_weight, confidence_weight)
+        loss, metrics = dspark_l1(out.logits, p_ce, ce_valid, w, out.confidence, l1_weight, confidence_weight)
     else:
-        loss = e2e_tv(out.logits, p, out.valid, w)
+        loss = e2e_tv(out.logits, p_acc, valid, w)
+        counted = valid
     with torch.no_grad():
-        a = overlap(out.logits, p)
-        metrics["overlap"] = float(_wmean(a, out.valid.float()))
-        metrics["top1_match"] = float(_wmean((out.logits.argmax(-1) == p.argmax(-1)).float(), out.valid.float()))
+        a = overlap(out.logits, p_acc)
+        metrics["overlap"] = float(_wmean(a, valid.float()))
+        metrics["top1_match"] = float(_wmean((greedy == p.argmax(-1)).float(), valid.float()))
+        if vocab is not None:
+            metrics["in_vocab"] = float(_wmean(ce_valid.float(), valid.float()))
+    metrics["weight"] = float(_weights(counted, w).sum())
     metrics["loss"] = float(loss.detach())
     return loss, metrics

@@ -33,6 +33,18 @@ CP group instead (even attention work across CP ranks; the draw then depends on 
 Acceptance (``acceptance_offline``): on the step's chains, 1 + the number of leading drafts equal
 to the policy's greedy token at their position, over the first ``k`` drafts (teacher forcing on the
 rollout tokens; see :mod:`cotrain.draft.acceptance`).
+
+Reduced draft vocabulary (EAGLE-3 ``draft_vocab_size``; :mod:`cotrain.draft.vocab`): the loss
+restricts and renormalises p over the draft tokens and drops positions whose greedy token is
+outside them (as offline), and drafted ids are mapped to target ids before they are compared. The
+mapping changes only at the end of a step, identically on every rank (the token counts are summed
+over the reduce group with the gradients): from scratch (a placeholder mapping) it is built from
+the first step's rollout tokens, and that step takes no update; with ``vocab_rebuild_every`` = N it
+is rebuilt every N steps from the tokens counted since the last build, after the step's update, the
+LM head rows and their optimizer state following their tokens (``Eagle3Drafter.set_vocab``). A new
+mapping is a new head: the next push carries it whole, ``d2t`` included (every push does).
+Metrics: ``vocab_version`` (builds so far), ``vocab_coverage`` (share of the step's supervised
+tokens inside the draft vocabulary it trained with), ``vocab_rebuilt``.
 """
 
 from __future__ import annotations
@@ -49,9 +61,10 @@ from cotrain.draft.acceptance import accept_lengths
 from cotrain.draft.common import DraftBatch
 from cotrain.draft.cp import fetch_rows
 from cotrain.draft.dflash import BlockDrafter
-from cotrain.draft.losses import _weights, draft_loss
+from cotrain.draft.losses import draft_loss
 from cotrain.draft.optim import clip_, lr_at, make_optimizer, set_lr
 from cotrain.draft.registry import Drafter
+from cotrain.draft.vocab import DraftVocab, token_counts
 
 
 @dataclass
@@ -150,6 +163,11 @@ class OnlineDraftTrainer:
         self._step: Optional[int] = None
         self._stats: dict[str, float] = {}
         self._seconds = 0.0
+        # reduced draft vocabulary: token counts since the mapping was last built, steps since then
+        vocab: Optional[DraftVocab] = getattr(drafter, "vocab", None)
+        self.vocab_every = int(getattr(drafter.cfg, "vocab_rebuild_every", 0) or 0)
+        self.vocab_counts = torch.zeros(vocab.vocab_size, dtype=torch.float64) if vocab is not None else None
+        self.vocab_steps = 0
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -168,6 +186,8 @@ class OnlineDraftTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self._stats = dict.fromkeys(("loss_sum", "weight", "overlap_sum", "top1_sum", "positions", "accept_sum",
                                      "chains", "microbatches"), 0.0)
+        if self.vocab_counts is not None:
+            self._step_counts = torch.zeros_like(self.vocab_counts)
         self._seconds = 0.0
 
     def _layout_for(self, batch: DraftBatch, seq_ids: torch.Tensor, step: int):
@@ -198,8 +218,9 @@ class OnlineDraftTrainer:
                 tl = local_logits[out.target_rows.clamp(min=0)]
             p = F.softmax(tl.float(), dim=-1)
             labels = batch.input_ids[(out.target_rows + 1).clamp(min=0, max=batch.num_tokens - 1)]
-            loss, m = draft_loss(self.loss_name, out, p, labels=labels, **self.loss_extra)
-            weight = float(_weights(out.valid, out.loss_weight).sum())
+            vocab = getattr(self.drafter, "vocab", None)
+            loss, m = draft_loss(self.loss_name, out, p, labels=labels, vocab=vocab, **self.loss_extra)
+            weight = m["weight"]  # the positions the loss counts (a reduced vocabulary drops some)
             # always: under CP the backward of branch attention is collective over the CP group,
             # so a rank with nothing to supervise still takes part (with zero gradients)
             (loss * weight).backward()
@@ -207,7 +228,12 @@ class OnlineDraftTrainer:
             valid = out.valid
             n = float(valid.sum())
             first = valid[:, 0]
-            greedy = (out.logits.argmax(-1) == tl.argmax(-1)) & valid
+            drafted = out.logits.argmax(-1)
+            if vocab is not None:
+                drafted = vocab.to_target(drafted)
+                # the rollout tokens the drafts predict (every CP rank holds whole rows: each counts them all)
+                self._step_counts += token_counts(batch.input_ids, batch.loss_mask, vocab.vocab_size)
+            greedy = (drafted == tl.argmax(-1)) & valid
             lens = accept_lengths(greedy[first], self.k)
         st = self._stats
         st["loss_sum"] += m["loss"] * weight
@@ -231,10 +257,12 @@ class OnlineDraftTrainer:
         keys = sorted(self._stats)
         stats = torch.tensor([self._stats[k] for k in keys], dtype=torch.float64)
         grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
+        counts = self._step_counts if self.vocab_counts is not None else torch.zeros(0, dtype=torch.float64)
         if self.reduce_group is not None and dist.get_world_size(self.reduce_group) > 1:
-            flat = torch.cat([grads.double(), stats])
+            flat = torch.cat([grads.double(), stats, counts])
             dist.all_reduce(flat, group=self.reduce_group)
-            grads, stats = flat[: grads.numel()].float(), flat[grads.numel():]
+            n_g, n_s = grads.numel(), stats.numel()
+            grads, stats, counts = flat[:n_g].float(), flat[n_g: n_g + n_s], flat[n_g + n_s:]
         s = dict(zip(keys, stats.tolist()))
         metrics = {"loss": s["loss_sum"] / s["weight"] if s["weight"] else float("nan"),
                    "overlap": s["overlap_sum"] / s["positions"] if s["positions"] else float("nan"),
@@ -242,6 +270,12 @@ class OnlineDraftTrainer:
                    "acceptance_offline": s["accept_sum"] / s["chains"] if s["chains"] else float("nan"),
                    "positions": s["positions"], "chains": s["chains"]}
         lr = lr_at(self.steps_done, self.total_steps, self.cfg.optimizer)
+        vocab = getattr(self.drafter, "vocab", None)
+        placeholder = vocab is not None and vocab.source == "placeholder"
+        if vocab is not None:
+            metrics["vocab_coverage"] = vocab.coverage(counts)
+        if placeholder:  # from scratch: no mapping yet; this step's tokens build it, the update waits
+            s["weight"] = 0.0
         if s["weight"] > 0:
             off = 0
             for p in params:
@@ -257,20 +291,47 @@ class OnlineDraftTrainer:
             metrics["skipped"] = 1.0
         metrics["lr"] = lr
         self.steps_done += int(s["weight"] > 0)
+        if vocab is not None:
+            metrics.update(self._vocab_step(counts, placeholder))
         self._seconds += time.perf_counter() - t0
         metrics["time_s"] = self._seconds
         self._step = None
         return metrics
 
+    # ------------------------------------------------------------------ reduced draft vocabulary
+    def _vocab_step(self, counts: torch.Tensor, placeholder: bool) -> dict[str, float]:
+        """Count the step's tokens (summed over the group) and build / rebuild the mapping when due."""
+        from cotrain.draft.eagle3 import remap_optimizer_rows
+
+        self.vocab_counts += counts
+        self.vocab_steps += 1
+        vocab = self.drafter.vocab
+        rebuilt = 0.0
+        if placeholder or (self.vocab_every and self.vocab_steps >= self.vocab_every):
+            new = DraftVocab.from_counts(self.vocab_counts, vocab.size, version=vocab.version + 1)
+            src = self.drafter.set_vocab(new)
+            remap_optimizer_rows(self.optimizer, self.drafter.lm_head.weight, src)
+            self.vocab_counts.zero_()
+            self.vocab_steps = 0
+            rebuilt = 1.0
+        return {"vocab_version": float(self.drafter.vocab.version), "vocab_rebuilt": rebuilt}
+
     # ------------------------------------------------------------------ weights and checkpoints
     def push_state(self) -> dict[str, torch.Tensor]:
-        """What a run-time update sends to the engines: the drafter's own tensors in vLLM names."""
+        """What a run-time update sends to the engines: the drafter's own tensors in vLLM names
+        (floating tensors as float32; EAGLE-3's d2t stays int64, as vLLM loads it)."""
         sd = self.drafter.vllm_state_dict()
-        return {n: sd[n].detach().float().contiguous() for n in self.drafter.push_names()}
+        return {n: (sd[n].detach().float() if sd[n].is_floating_point() else sd[n].detach()).contiguous()
+                for n in self.drafter.push_names()}
 
     def state_dict(self) -> dict:
-        return {"drafter": {n: p.detach().clone() for n, p in self.drafter.named_parameters()},
-                "optimizer": self.optimizer.state_dict(), "steps_done": self.steps_done}
+        out = {"drafter": {n: p.detach().clone() for n, p in self.drafter.named_parameters()},
+               "optimizer": self.optimizer.state_dict(), "steps_done": self.steps_done}
+        vocab = getattr(self.drafter, "vocab", None)
+        if vocab is not None:
+            out["vocab"] = {"target_ids": vocab.target_ids.clone(), "source": vocab.source, "version": vocab.version,
+                            "counts": self.vocab_counts.clone(), "steps": self.vocab_steps}
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         own = dict(self.drafter.named_parameters())
@@ -278,6 +339,17 @@ class OnlineDraftTrainer:
             raise RuntimeError(f"drafter checkpoint does not match the drafter: missing "
                                f"{sorted(set(own) - set(state['drafter']))}, unexpected "
                                f"{sorted(set(state['drafter']) - set(own))}")
+        vs = state.get("vocab")
+        vocab = getattr(self.drafter, "vocab", None)
+        if (vs is None) != (vocab is None):
+            raise RuntimeError("drafter checkpoint does not match the drafter: "
+                               + ("it has a reduced draft vocabulary, the drafter does not" if vs is not None
+                                  else "the drafter has a reduced draft vocabulary, the checkpoint does not"))
+        if vs is not None:
+            self.drafter.set_vocab(DraftVocab(vs["target_ids"], vocab.vocab_size, source=vs["source"],
+                                              version=int(vs["version"])), remap=False)
+            self.vocab_counts = vs["counts"].clone().double()
+            self.vocab_steps = int(vs["steps"])
         with torch.no_grad():
             for n, p in own.items():
                 p.copy_(state["drafter"][n])

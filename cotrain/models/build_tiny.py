@@ -38,7 +38,7 @@ import torch
 
 from cotrain.models.builtin import BuiltinModel, allowed, get_builtin, is_builtin
 from cotrain.models.tiny import BUILTIN_MODEL_PATH, TINY_TASK  # noqa: F401  (BUILTIN_MODEL_PATH: re-exported)
-from cotrain.models.tokenizer import build_tokenizer, build_vocab
+from cotrain.models.tokenizer import build_tokenizer, build_vocab, tokenizer_for  # noqa: F401
 from cotrain.tasks.data import Problem, arithmetic_dataset, arithmetic_problem
 
 BUILD_VERSION = get_builtin("tiny").build_version  # the tiny model's (each built-in model has its own)
@@ -56,11 +56,13 @@ def build_key(model: str | BuiltinModel = "tiny") -> str:
     """The cache key of a built-in model: a hash of its architecture, tokenizer, task, recipe,
     build threads and version."""
     m = _spec(model)
-    blob = json.dumps(
-        [m.build_version, m.name, m.hf_config, m.task, m.task_params, m.sft, m.vocab_size, m.threads,
-         m.eval_max_new_tokens, sorted(build_vocab().items())],
-        sort_keys=True, default=str,
-    )
+    parts = [m.build_version, m.name, m.hf_config, m.task, m.task_params, m.sft, m.vocab_size, m.threads,
+             m.eval_max_new_tokens, sorted(build_vocab().items())]
+    if m.tokenizer != "chars":  # (the character tokenizer's models keep the keys they always had)
+        from cotrain.models.words import build_words_vocab
+
+        parts[-1] = [m.tokenizer, sorted(build_words_vocab().items())]
+    blob = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -166,6 +168,10 @@ def task_problems(model: str | BuiltinModel, n: int, seed: int) -> list[Problem]
         from cotrain.tasks.gcd import gcd_dataset
 
         return gcd_dataset(n, seed=seed, **m.task_params)
+    if m.task == "words":
+        from cotrain.models.words import words_dataset
+
+        return words_dataset(n, seed=seed, **m.task_params)
     return arithmetic_dataset(n, seed=seed, **m.task_params)
 
 
@@ -194,6 +200,14 @@ def sft_sampler(model: str | BuiltinModel) -> Callable[[random.Random], tuple[Pr
         def draw(rng):
             p = gcd_problem(rng, **m.task_params)
             return p, solution_of(p, rng, slip, max_steps=cap)
+
+        return draw
+    if m.task == "words":
+        from cotrain.models.words import words_problem
+
+        def draw(rng):
+            p = words_problem(rng, **m.task_params)
+            return p, p.answer
 
         return draw
     noise = m.sft.get("label_noise", 0.0)
@@ -275,7 +289,7 @@ def build(out_dir: Path, progress: bool = True, model: str | BuiltinModel = "tin
 
 def _build(out_dir: Path, m: BuiltinModel, progress: bool) -> dict:
     t0 = time.time()
-    tokenizer = build_tokenizer()
+    tokenizer = tokenizer_for(m.tokenizer)
     model = make_model(tokenizer, m.sft["seed"], m)
     sft = {k: m.sft[k] for k in ("steps", "batch_size", "lr", "warmup", "weight_decay", "seed")}
     losses = train_sft(model, tokenizer, progress=progress, sampler=sft_sampler(m), bucket=m.sft.get("bucket", 1),

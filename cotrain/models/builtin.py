@@ -9,6 +9,9 @@ and resolves the checkpoints. Importing this module imports no torch.
   2-4 tokens. The demo's policy.
 - ``builtin:small`` (:mod:`cotrain.models.small`): the ``gcd`` task's worked solutions, responses
   of 9-120 tokens (median 30) with a long tail. The speculative-decoding benchmark's policy.
+- ``builtin:words`` (:mod:`cotrain.models.words`): a word-level tokenizer of 8,192 tokens and a copy
+  task over Zipf-distributed words (2.6 M parameters, most of them the embedding and LM head): the
+  target of the reduced EAGLE-3 draft vocabulary's tests and benchmark.
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ class BuiltinModel:
     name: str
     hf_config: dict = field(repr=False)
     vocab_size: int
-    task: str  # a built-in task of cotrain.tasks ("arithmetic" or "gcd")
+    task: str  # a built-in task: "arithmetic" or "gcd" (cotrain.tasks), "words" (cotrain.models.words)
     task_params: dict
     sft: dict  # the warm start; see cotrain.models.build_tiny.train_sft
     build_version: int
     threads: int  # torch CPU threads of the build: fixed, so the weights do not depend on the machine
     eval_max_new_tokens: int
+    tokenizer: str = "chars"  # "chars" (cotrain.models.tokenizer) or "words" (cotrain.models.words)
 
     @property
     def model_path(self) -> str:
@@ -41,7 +45,7 @@ class BuiltinModel:
 
 
 def _registry() -> dict[str, BuiltinModel]:
-    from cotrain.models import small, tiny
+    from cotrain.models import small, tiny, words
 
     return {
         "tiny": BuiltinModel("tiny", tiny.TINY_QWEN3_CONFIG, tiny.VOCAB_SIZE, "arithmetic", tiny.TINY_TASK, tiny.TINY_SFT,
@@ -49,10 +53,13 @@ def _registry() -> dict[str, BuiltinModel]:
         "small": BuiltinModel("small", small.SMALL_QWEN3_CONFIG, small.VOCAB_SIZE, "gcd", small.SMALL_TASK,
                               small.SMALL_SFT, small.BUILD_VERSION, small.BUILD_THREADS,
                               eval_max_new_tokens=small.EVAL_MAX_NEW_TOKENS),
+        "words": BuiltinModel("words", words.WORDS_QWEN3_CONFIG, words.VOCAB_SIZE, "words", words.WORDS_TASK,
+                              words.WORDS_SFT, words.BUILD_VERSION, words.BUILD_THREADS,
+                              eval_max_new_tokens=words.EVAL_MAX_NEW_TOKENS, tokenizer="words"),
     }
 
 
-BUILTIN_NAMES = ("tiny", "small")
+BUILTIN_NAMES = ("tiny", "small", "words")
 
 
 def allowed() -> str:

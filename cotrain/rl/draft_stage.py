@@ -40,11 +40,21 @@ from cotrain.draft.online import OnlineDraftTrainer, RolloutRows
 from cotrain.tapchannel import PipelineLayout, TapChannel, attach_tap_hooks, tap_specs
 
 
-def resolve_tap_transport(name: str, device: str) -> str:
-    """``auto`` -> ``cuda_ipc`` on GPU (one node), ``shm`` on CPU."""
-    if name != "auto":
+def resolve_tap_transport(name: str, device: str, num_nodes: int = 1) -> str:
+    """The channel's transport: a name as given; ``auto`` on one node -> ``cuda_ipc`` on GPU, ``shm``
+    on CPU; ``auto`` on several nodes stays ``auto``: the TapChannel picks per source stage from
+    the ranks' Ray node ids (same node: shm / cuda_ipc, another node: gloo / nccl)."""
+    if name != "auto" or num_nodes > 1:
         return name
     return "cuda_ipc" if device == "cuda" else "shm"
+
+
+def tap_metrics(channel: TapChannel) -> dict[str, float]:
+    """``tap/transport/<layer>``: how each tap reached the drafter's stage (TRANSPORT_CODES: 0 local,
+    1 shm, 2 cuda_ipc, 3 gloo, 4 nccl)."""
+    from cotrain.tapchannel import TRANSPORT_CODES
+
+    return {f"tap/transport/{layer}": float(TRANSPORT_CODES[name]) for layer, name in sorted(channel.routes.items())}
 
 
 def build_drafter_for(cfg, target, path: Optional[str] = None):
@@ -85,11 +95,14 @@ class DraftStage:
         specs = tap_specs(self.tap_layers, layout, width=hidden, dtype=dtype)
         mbs, S = cfg.policy.micro_batch_size, cfg.policy.max_seq_len
         max_tokens = mbs * (-(-(S + 2 * self.cp) // self.cp))
-        transport = resolve_tap_transport(d.tap_transport, cfg.cluster.device)
+        transport = resolve_tap_transport(d.tap_transport, cfg.cluster.device, cfg.cluster.num_nodes)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         self.transport = transport
+        from cotrain.placement import current_node_id
+
+        # the link of each source is decided by Ray node ids (nodes of one machine in tests included)
         self.channel = TapChannel(specs, layout, transport, max_tokens=max_tokens, name=name,
-                                  timeout_s=d.tap_timeout_s, device=device)
+                                  timeout_s=d.tap_timeout_s, device=device, node=current_node_id())
         self.hooks = attach_tap_hooks(model, self.channel)
         self.hooks.enabled = False
         self.trainer: Optional[OnlineDraftTrainer] = None
@@ -172,6 +185,7 @@ class DraftStage:
         m = {f"draft/{k}": v for k, v in self.trainer.end_step().items()}
         m.update({"tap/wait_s": tap["reader_wait_s"], "tap/copy_s": tap["reader_copy_s"],
                   "tap/bytes": float(tap["bytes_read"]), "tap/moved_bytes": float(tap["moved_bytes"])})
+        m.update(tap_metrics(self.channel))
         return m
 
     def abort(self) -> None:

@@ -223,6 +223,7 @@ class GrpoRun:
         self.cfg = cfg
         self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
         self.trainer = self.rollout = self.logger = None
+        self.placement = None  # cotrain.placement.ClusterPlacement when cluster.num_nodes > 1
         self.rejected_draft_pushes = 0
 
     def setup(self, resume) -> None:
@@ -243,11 +244,17 @@ class GrpoRun:
         resume_dir = self.ckpt.resolve(resume) if resume else None  # verified; a damaged one is skipped
         draft_init = resolve_draft_init(cfg) if self.cotrain else None
         init_ray(cfg)
-        self.trainer = TrainerGroup(cfg, self.model_path, draft_init=draft_init)
+        if cfg.cluster.num_nodes > 1:  # one placement group: every rank and engine on its node (docs/multinode.md)
+            from cotrain.placement import ClusterPlacement
+
+            self.placement = ClusterPlacement(cfg)
+            print("placement:\n  " + self.placement.describe().replace("\n", "\n  "))
+        self.trainer = TrainerGroup(cfg, self.model_path, draft_init=draft_init, placement=self.placement)
         served_draft = None
         if self.serves_cotrained_drafter:  # the engines start with the trainer's initial drafter
             served_draft = self.trainer.export_draft_dir(str(Path(cfg.run.output_dir) / "drafter_init"))
-        self.rollout = RolloutGroup.from_config(cfg, model_path=self.model_path, draft_model=served_draft)
+        self.rollout = RolloutGroup.from_config(cfg, model_path=self.model_path, draft_model=served_draft,
+                                                placement=self.placement)
         if cfg.rollout.weight_transport == "nccl":  # GPU engines on other devices: a broadcast group
             self.trainer.connect_weight_broadcast(self.rollout)
         if resume_dir is not None:
@@ -383,6 +390,8 @@ class GrpoRun:
         for workers in (self.rollout, self.trainer):
             if workers is not None:
                 workers.shutdown()
+        if self.placement is not None:
+            self.placement.remove()
 
 
 def main(cfg, resume=False) -> int:

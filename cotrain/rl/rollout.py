@@ -34,6 +34,7 @@ from cotrain.rl.weight_transport import (
     WeightPushError,
     WeightTransport,
     check_manifest,
+    localize_handle,
     make_transport,
     manifest_of,
     resolve_transport_name,
@@ -143,6 +144,7 @@ class VllmGeneration(GenerationBackend):
         self.draft_version: int | None = None
         self.speculative = bool(self.llm.llm_engine.vllm_config.speculative_config)
         self._manifests: dict[str, dict] = {}
+        self.relayed_pushes = 0  # object_store pushes whose bytes came from another node
 
     # -- generation
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingSpec, n: int = 1,
@@ -227,7 +229,14 @@ class VllmGeneration(GenerationBackend):
                 self.drain(handle)
                 raise
         version = int(handle.get("version", 0) if version is None else version)
-        stats = push_handle(self.llm, kind, handle, version)
+        # object_store: bytes from another node land in a /dev/shm file of this one (vLLM reads shm)
+        local, cleanup = localize_handle(handle)
+        try:
+            stats = push_handle(self.llm, kind, local, version)
+        finally:
+            cleanup()
+        if local.get("relayed"):
+            self.relayed_pushes += 1
         if kind == "draft":
             self.draft_version = version
         return stats
@@ -254,7 +263,7 @@ class VllmGeneration(GenerationBackend):
 
         st = engine_status(self.llm)
         st.update(weight_version=self.weight_version(), draft_version=self.draft_version,
-                  speculative=self.speculative, startup_s=self.startup_s)
+                  speculative=self.speculative, startup_s=self.startup_s, relayed_pushes=self.relayed_pushes)
         return st
 
     def shutdown(self) -> None:
@@ -290,7 +299,10 @@ class RolloutWorker:
         self.gen = VllmGeneration(spec, initial_version=initial_version)
 
     def ready(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "startup_s": self.gen.startup_s, "torch_threads": torch.get_num_threads(),
+        import ray
+
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
+                "startup_s": self.gen.startup_s, "torch_threads": torch.get_num_threads(),
                 "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
@@ -343,12 +355,19 @@ class RolloutGroup(GenerationBackend):
     same checkpoint), sends them once through ``transport`` (``shm`` by default on CPU: one file
     that every engine on the node reads) and loads them into all engines in parallel.
     ``push_handle`` forwards a handle a trainer made (GPU transports: cuda_ipc, nccl, whose bytes
-    vLLM's own weight-transfer engines move).
+    vLLM's own weight-transfer engines move; object_store: engines on other nodes fetch the bytes
+    from Ray's object store).
+
+    Placement: ``placement`` (a :class:`~cotrain.placement.ClusterPlacement`, several nodes) puts
+    engine ``e`` in its bundle of the run's placement group, on the node the layout gives it, and
+    makes every call fail within about a second with a
+    :class:`~cotrain.placement.NodeDiedError` when a node of the run dies. Without it Ray places
+    the engines as it always did. ``node_ids``: the Ray node id of every engine.
     """
 
     def __init__(self, spec: EngineSpec, num_engines: int = 1, *, cpus_per_engine: float = 1,
                  gpus_per_engine: float = 0, transport: str | WeightTransport = "auto", initial_version: int = 0,
-                 env: dict[str, str] | None = None, actor_options: dict | None = None) -> None:
+                 env: dict[str, str] | None = None, actor_options: dict | None = None, placement=None) -> None:
         import ray
 
         if not ray.is_initialized():
@@ -363,12 +382,21 @@ class RolloutGroup(GenerationBackend):
         self.initial_version = int(initial_version)
         self.draft_version: int | None = None
         self._manifests: dict[str, dict] = {}
+        self.placement = placement
         opts = {"num_cpus": cpus_per_engine, "num_gpus": gpus_per_engine, **(actor_options or {})}
         cls = ray.remote(RolloutWorker)
         t0 = time.perf_counter()
-        self.actors = [cls.options(**opts).remote(spec, initial_version, env) for _ in range(num_engines)]
-        self.ready_info = ray.get([a.ready.remote() for a in self.actors])
+        self.actors = [cls.options(**opts, **(placement.engine_options(e) if placement else {}))
+                       .remote(spec, initial_version, env) for e in range(num_engines)]
+        self.ready_info = self._get([a.ready.remote() for a in self.actors], "engine start-up")
+        self.node_ids: list[str | None] = [info.get("node_id") for info in self.ready_info]
         self.startup_s = time.perf_counter() - t0
+
+    def _get(self, refs: list, what: str) -> list:
+        """``ray.get``; with a placement, a dead node of the run fails it within about a second."""
+        from cotrain.placement import wait_refs
+
+        return wait_refs(refs, what, self.placement)
 
     @classmethod
     def from_config(cls, cfg, *, model_path: str | None = None, draft_model: str | None = None,
@@ -382,7 +410,7 @@ class RolloutGroup(GenerationBackend):
                                                                          else float(r.tensor_parallel))
         transport = kwargs.pop("transport", None) or (r.weight_transport if r.weight_transport != "auto" else "auto")
         return cls(spec, r.num_engines, cpus_per_engine=r.cpus_per_engine, gpus_per_engine=gpus,
-                   transport=transport, env=env, **kwargs)
+                   transport=transport, env=env, **kwargs)  # placement=: see the class docstring
 
     # -- generation
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingSpec, n: int = 1) -> GenerationResult:
@@ -392,7 +420,7 @@ class RolloutGroup(GenerationBackend):
         t0 = time.perf_counter()
         chunks = [(a, lo, hi) for a, (lo, hi) in zip(self.actors, split_evenly(len(prompts), self.num_engines))
                   if hi > lo]
-        results = ray.get([a.generate.remote(prompts[lo:hi], sampling, n, lo) for a, lo, hi in chunks])
+        results = self._get([a.generate.remote(prompts[lo:hi], sampling, n, lo) for a, lo, hi in chunks], "rollout")
         seconds = time.perf_counter() - t0
         samples = [group for r in results for group in r.samples]
         metrics = _aggregate(samples, seconds)
@@ -456,12 +484,20 @@ class RolloutGroup(GenerationBackend):
         version = int(handle.get("version", 0) if version is None else version)
         t0 = time.perf_counter()
         refs = [a.push_handle.remote(kind, handle, version) for a in self.actors]
+        if self.placement is not None:  # a dead node fails the push at once (its engines never answer)
+            pending = list(refs)
+            while pending:
+                _, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+                if pending:
+                    self.placement.check(f"the {kind} weight push")
         errors, stats = [], []
         for ref in refs:  # collect all, so that no engine is left mid-push when one fails
             try:
                 stats.append(ray.get(ref))
             except Exception as e:
                 errors.append(e)
+        if errors and self.placement is not None:
+            self.placement.check_after_failure(f"the {kind} weight push")
         if errors:
             raise WeightPushError(f"{len(errors)} of {self.num_engines} engines rejected the {kind} push of version "
                                   f"{version}: {_unwrap(errors[0])}")
@@ -505,12 +541,19 @@ class RolloutGroup(GenerationBackend):
     def shutdown(self) -> None:
         import ray
 
-        for a in getattr(self, "actors", []):
+        placement = getattr(self, "placement", None)
+        dead = placement.dead_nodes(force=True) if placement is not None else {}
+        for e, a in enumerate(getattr(self, "actors", [])):
+            # an engine on a dead node never answers: do not wait for it
+            if not dead or placement.layout.engine_node[e] not in dead:
+                try:
+                    ray.get(a.shutdown.remote(), timeout=60)
+                except Exception:
+                    pass
             try:
-                ray.get(a.shutdown.remote(), timeout=60)
-            except Exception:
+                ray.kill(a)
+            except Exception:  # noqa: BLE001 - its node is gone
                 pass
-            ray.kill(a)
         self.actors = []
 
 

@@ -4,6 +4,13 @@
 ``world_size = TP x PP x CP x DP`` actors, has them form one torch.distributed world (rendezvous at
 actor 0's node address), calls every method on all ranks and returns the results of the ranks that
 hold them. What a rank does lives in :mod:`cotrain.rl.trainer`; this module only places and calls.
+
+Placement: without a ``placement`` (one node) Ray schedules the actors where they fit, as it
+always did. With a :class:`~cotrain.placement.ClusterPlacement` (``cluster.num_nodes > 1``) rank
+``r`` runs in bundle ``r`` of the run's placement group, on the node the layout gives it, and every
+call watches the run's nodes: a node that dies fails the call within about a second with a
+:class:`~cotrain.placement.NodeDiedError` naming it and the ranks it held. ``node_ids`` is the Ray
+node id of every rank, as reported by the ranks themselves.
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ class TrainingWorker:
     def __init__(self, num_threads: int):
         torch.set_num_threads(num_threads)
         self.worker = None
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
     def rendezvous_address(self) -> tuple[str, int]:
         from cotrain.distributed import find_free_port
@@ -50,13 +60,17 @@ class TrainerGroup(TrainingBackend):
     None (from scratch); only used with ``draft.cotrain``.
     """
 
-    def __init__(self, cfg, model_path: str, draft_init: str | None = None):
+    def __init__(self, cfg, model_path: str, draft_init: str | None = None, placement=None):
         self.cfg = cfg
+        self.placement = placement
         n = cfg.world_size
         gpus = 1 if cfg.cluster.device == "cuda" else 0
         cpus = cfg.policy.cpus_per_worker
-        self.actors = [TrainingWorker.options(num_cpus=cpus, num_gpus=gpus).remote(cpus) for _ in range(n)]
         self.dead: list[int] = []  # ranks whose actor died
+        self.actors = [TrainingWorker.options(num_cpus=cpus, num_gpus=gpus,
+                                              **(placement.trainer_options(r) if placement else {})).remote(cpus)
+                       for r in range(n)]
+        self.node_ids: list[str] = self._wait([a.node_id.remote() for a in self.actors], "start-up")
         addr, port = ray.get(self.actors[0].rendezvous_address.remote())
         self.infos = self._wait([a.setup.remote(cfg, str(model_path), r, n, addr, port, draft_init)
                                  for r, a in enumerate(self.actors)], "setup")
@@ -64,17 +78,33 @@ class TrainerGroup(TrainingBackend):
     def _wait(self, refs: list, what: str) -> list:
         """Results of one call per rank, in rank order. A rank whose actor dies fails the call at
         once, naming the rank (the survivors may be blocked in a collective with it: they are not
-        waited for)."""
+        waited for); with a placement, so does a dead node (naming it and its ranks), whether a rank
+        reports it first or not."""
+        from cotrain.placement import NodeDiedError
+
         pending = {ref: r for r, ref in enumerate(refs)}
-        while pending:
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=None)
-            for ref in done:
-                rank = pending.pop(ref)
-                try:
-                    ray.get(ref)
-                except ray.exceptions.ActorDiedError as e:
-                    self.dead.append(rank)
-                    raise TrainerRankDiedError(f"training rank {rank} died during {what}: {_cause(e)}") from None
+        poll = 1.0 if self.placement is not None else None
+        try:
+            while pending:
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=poll)
+                if not done and self.placement is not None:
+                    self.placement.check(what)
+                for ref in done:
+                    rank = pending.pop(ref)
+                    try:
+                        ray.get(ref)
+                    except ray.exceptions.RayActorError as e:
+                        if self.placement is not None:
+                            self.placement.check_after_failure(what)
+                        self.dead.append(rank)
+                        raise TrainerRankDiedError(f"training rank {rank} died during {what}: {_cause(e)}") from None
+                    except Exception:
+                        if self.placement is not None:  # a survivor's collective failed: was it a node?
+                            self.placement.check_after_failure(what)
+                        raise
+        except NodeDiedError as e:
+            self.dead.extend(r for r in e.ranks if r not in self.dead)
+            raise
         return ray.get(refs)
 
     def _all(self, method: str, *args) -> list:
@@ -135,7 +165,10 @@ class TrainerGroup(TrainingBackend):
             pass  # a dead or hung rank: the actors are killed below either way
         finally:
             for a in self.actors:
-                ray.kill(a)
+                try:
+                    ray.kill(a)
+                except Exception:  # noqa: BLE001 - its node is gone
+                    pass
 
 
 def _cause(e: Exception) -> str:

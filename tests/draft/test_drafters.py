@@ -46,7 +46,7 @@ def test_registry_and_kinds(target):
     ("eagle3", {"tap_layers": [0, 4]}, "tap_layers[1]", "not a layer of the target"),
     ("dflash", {"tap_layers": [2, 2]}, "tap_layers", "duplicates"),
     ("dspark", {"tap_layers": []}, "tap_layers", "at least one layer"),
-    ("eagle3", {"draft_vocab_size": 64}, "draft_vocab_size", "not supported yet"),
+    ("eagle3", {"draft_vocab_size": 129}, "draft_vocab_size", "exceeds the target's vocabulary of 128"),
 ])
 def test_settings_checked_against_the_target(target, kind, settings, path, words):
     with pytest.raises(DraftConfigError) as e:

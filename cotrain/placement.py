@@ -1,0 +1,430 @@
+"""Where every trainer rank and rollout engine runs: the node layout, and its Ray placement group.
+
+Two layers:
+
+* :func:`node_layout` (pure, no Ray): from a resolved config, the node of every trainer rank and
+  every engine, or the issues that make the layout impossible. Validation (``check_placement``),
+  the planner (``python -m cotrain.plan``) and the run all use it, so they agree.
+* :class:`ClusterPlacement` (Ray): picks ``cluster.num_nodes`` alive nodes, reserves every rank's
+  and engine's bundle on its node in **one** placement group (atomically: all or nothing), hands
+  out the scheduling options of each actor, and tells a dead node (:meth:`~ClusterPlacement.check`)
+  within about a second, naming the ranks and engines it held (:class:`NodeDiedError`).
+
+The rules (docs/multinode.md):
+
+- Nodes ``0 .. num_nodes - engine_nodes - 1`` run trainer ranks; with ``cluster.engine_nodes = n > 0``
+  the last ``n`` nodes run engines only, with ``0`` the engines share the trainers' nodes.
+- Trainer ranks are numbered as Megatron's parallel_state does (TP fastest, then CP, DP, PP) and
+  go to the trainer nodes in contiguous blocks of whole TP x CP groups, spread evenly: a TP or CP
+  group never straddles two nodes, and the pipeline (then DP) crosses nodes. A node holds
+  ``min(cpus_per_node // cpus_per_worker, gpus_per_node on cuda)`` ranks; a TP x CP group larger than
+  that is refused, naming the group that would straddle.
+- Engines go to their nodes in contiguous blocks, spread evenly; an engine's GPUs are on one node.
+  Colocated engines (``rollout.colocate``) run on the trainers' nodes, next to the ranks, outside
+  the placement group (their resources are counted as validation always did: each side must fit).
+- The co-trained drafter lives on the last pipeline stage's ranks (wherever those are).
+- Nodes are taken from the Ray cluster in this order: the driver's node first (when it has the
+  resources), then by address and node id.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+Issue = tuple[str, str]
+
+
+# ------------------------------------------------------------------------------------- the layout
+@dataclass(frozen=True)
+class NodeLayout:
+    """The node index of every trainer rank (Megatron order) and engine, and what each node reserves."""
+
+    num_nodes: int
+    trainer_nodes: int  # nodes 0 .. trainer_nodes - 1 may hold trainer ranks
+    engine_nodes: int  # the last engine_nodes nodes run engines only (0: engines share the trainers' nodes)
+    rank_node: tuple[int, ...]
+    engine_node: tuple[int, ...]
+    ranks_per_node: int
+    rank_bundle: dict = field(default_factory=dict)  # Ray resources of one trainer rank
+    engine_bundle: dict = field(default_factory=dict)  # ... of one engine (empty when colocated)
+    colocate: bool = False
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return len(self.rank_node)
+
+    def stage_of(self, rank: int) -> int:
+        return rank // (self.tp * self.cp * self.dp)
+
+    def ranks_on(self, node: int) -> list[int]:
+        return [r for r, n in enumerate(self.rank_node) if n == node]
+
+    def engines_on(self, node: int) -> list[int]:
+        return [e for e, n in enumerate(self.engine_node) if n == node]
+
+    def node_demand(self, node: int) -> dict[str, float]:
+        """Resources the placement group reserves on ``node``."""
+        out: dict[str, float] = {}
+        bundles = [self.rank_bundle] * len(self.ranks_on(node))
+        if not self.colocate:
+            bundles += [self.engine_bundle] * len(self.engines_on(node))
+        for b in bundles:
+            for k, v in b.items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    def describe(self, labels: list[str] | None = None) -> str:
+        lines = []
+        for n in range(self.num_nodes):
+            ranks, engines = self.ranks_on(n), self.engines_on(n)
+            stages = sorted({self.stage_of(r) for r in ranks})
+            what = []
+            if ranks:
+                what.append(f"trainer ranks {_span(ranks)} (stage{'s' if len(stages) > 1 else ''} {_span(stages)})")
+            if engines:
+                what.append(f"engine{'s' if len(engines) > 1 else ''} {_span(engines)}")
+            name = labels[n] if labels else f"node {n}"
+            lines.append(f"{name}: {', '.join(what) or 'nothing'}")
+        return "\n".join(lines)
+
+
+def _span(xs: list[int]) -> str:
+    if not xs:
+        return "[]"
+    if xs == list(range(xs[0], xs[-1] + 1)) and len(xs) > 2:
+        return f"{xs[0]}-{xs[-1]}"
+    return ", ".join(map(str, xs))
+
+
+def _bundle(cpus: float, gpus: float) -> dict:
+    b = {"CPU": float(cpus)}
+    if gpus:
+        b["GPU"] = float(gpus)
+    return b
+
+
+def _capacity(node: dict, bundle: dict) -> int:
+    caps = [math.floor(node.get(k, 0.0) / v + 1e-9) for k, v in bundle.items() if v > 0]
+    return min(caps) if caps else 1 << 30
+
+
+def layout_issues(cfg, *, cpus_per_node: float | None = None, gpus_per_node: float | None = None,
+                  num_nodes: int | None = None, device: str | None = None,
+                  gpus_per_engine: float | None = None) -> tuple[NodeLayout | None, list[Issue]]:
+    """:func:`node_layout`, returning ``(layout, [])`` or ``(None, issues)``. The keyword arguments
+    replace the config's cluster numbers (the planner sizes hypothetical GPU nodes)."""
+    c, r, pol = cfg.cluster, cfg.rollout, cfg.policy
+    p = pol.parallel
+    tp, cp, dp, pp = p.tensor, p.context, p.data, p.pipeline
+    W, E = tp * cp * dp * pp, r.num_engines
+    N = int(num_nodes if num_nodes is not None else c.num_nodes)
+    En = int(c.engine_nodes)
+    cuda = (device or c.device) == "cuda"
+    C = float(cpus_per_node if cpus_per_node is not None else (c.cpus_per_node or 1))
+    G = float(gpus_per_node if gpus_per_node is not None else c.gpus_per_node)
+    node = {"CPU": C, "GPU": G}
+    rank_b = _bundle(pol.cpus_per_worker, 1 if cuda else 0)
+    gpe = gpus_per_engine if gpus_per_engine is not None else (
+        r.gpus_per_engine if r.gpus_per_engine is not None else (r.tensor_parallel if cuda else 0))
+    engine_b = _bundle(r.cpus_per_engine, gpe if cuda else 0)
+    issues: list[Issue] = []
+    if En >= N:
+        return None, [("cluster.engine_nodes", f"{En} leaves no node for the {W} trainer rank(s) of "
+                       f"cluster.num_nodes={N} (allowed: 0..{N - 1})")]
+    if r.colocate and En:
+        return None, [("cluster.engine_nodes", f"{En} with rollout.colocate=true: colocated engines run on the "
+                       "trainers' nodes (allowed: 0, or rollout.colocate=false)")]
+    T = N - En
+    cap = _capacity(node, rank_b)
+    cpu_cap = int(C // pol.cpus_per_worker)
+    why = (f"cluster.gpus_per_node={G:g}, one GPU per rank" if cuda and G < cpu_cap else
+           f"cluster.cpus_per_node={C:g} / policy.cpus_per_worker={pol.cpus_per_worker}")
+    m = tp * cp
+    if m > cap:
+        group = "TP" if tp > cap else "CP"
+        issues.append(("policy.parallel", f"TP x CP = {tp} x {cp} = {m} ranks per group, a node holds {cap} trainer "
+                       f"rank(s) ({why}): the {group} group would straddle nodes (allowed: TP x CP <= {cap}, or "
+                       "larger nodes)"))
+        return None, issues
+    groups = W // m
+    per_node = math.ceil(groups / T)  # whole TP x CP groups per trainer node, spread evenly
+    k = per_node * m
+    if k > cap:
+        fit = (cap // m) * m
+        issues.append(("policy.parallel", f"world size {W} on {T} trainer node(s) needs {k} ranks per node in whole "
+                       f"TP x CP groups of {m}; a node holds {cap} ({why}), i.e. {fit} in whole groups (allowed: "
+                       f"world size <= {fit * T}, or more nodes: cluster.num_nodes / cluster.engine_nodes)"))
+        return None, issues
+    rank_node = tuple(rk // k for rk in range(W))
+    engine_hosts = list(range(T, N)) if En else list(range(T))
+    if not r.colocate and E:
+        # an engine on a node with trainer ranks uses what they leave
+        room = {n: _capacity({res: node[res] - rank_node.count(n) * rank_b.get(res, 0.0) for res in node}, engine_b)
+                for n in engine_hosts}
+        engine_node = _spread(E, engine_hosts, room)
+        if engine_node is None:
+            most = max((e for e in range(E) if _spread(e, engine_hosts, room) is not None), default=0)
+            where = "engine-only nodes" if En else "trainer nodes (next to their ranks)"
+            issues.append(("rollout.num_engines", f"{E} engines of {_fmt_b(engine_b)} spread evenly over the {where} "
+                           f"{_span(engine_hosts)} do not fit: a node has {_fmt_b(node)}, room for "
+                           f"{[room[n] for n in engine_hosts]} engine(s) (allowed: at most {most} engines, "
+                           "cluster.engine_nodes > 0, or larger nodes)"))
+            return None, issues
+    else:
+        hosts = sorted(set(rank_node))
+        engine_node = _spread(E, hosts, {n: 1 << 30 for n in hosts}) or ()
+    return NodeLayout(num_nodes=N, trainer_nodes=T, engine_nodes=En, rank_node=rank_node, engine_node=engine_node,
+                      ranks_per_node=k, rank_bundle=rank_b, engine_bundle={} if r.colocate else engine_b,
+                      colocate=bool(r.colocate), tp=tp, cp=cp, dp=dp, pp=pp), []
+
+
+def _spread(count: int, hosts: list[int], room: dict[int, int]) -> tuple[int, ...] | None:
+    """``count`` items over ``hosts`` (those with room) in contiguous blocks of equal size, or None."""
+    usable = [n for n in hosts if room[n] > 0]
+    if count == 0:
+        return ()
+    if not usable:
+        return None
+    per = math.ceil(count / len(usable))
+    out = tuple(usable[i // per] for i in range(count))
+    return out if all(out.count(n) <= room[n] for n in usable) else None
+
+
+def _fmt_b(b: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in b.items()) + "}"
+
+
+def node_layout(cfg, **kwargs) -> NodeLayout:
+    """The node layout of a validated config (raises ValueError with the issues otherwise)."""
+    layout, issues = layout_issues(cfg, **kwargs)
+    if layout is None:
+        raise ValueError("; ".join(f"{k}: {m}" for k, m in issues))
+    return layout
+
+
+# ------------------------------------------------------------------------------------- on Ray
+class NodeDiedError(RuntimeError):
+    """A node of the run died (its raylet is gone); names the node and the ranks and engines it held."""
+
+    def __init__(self, message: str, node: int, node_id: str, ranks: list[int], engines: list[int]):
+        super().__init__(message)
+        self.node, self.node_id, self.ranks, self.engines = node, node_id, ranks, engines
+
+
+def current_node_id() -> str | None:
+    """This process's Ray node id (hex), or None outside Ray."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 - no Ray, or not connected
+        return None
+
+
+def _node_label_key() -> str:
+    try:
+        from ray._raylet import NODE_ID_LABEL_KEY  # noqa: F401 - present in some builds
+
+        return NODE_ID_LABEL_KEY
+    except Exception:  # noqa: BLE001
+        return "ray.io/node-id"
+
+
+class ClusterPlacement:
+    """One placement group reserving every trainer rank's and engine's bundle on its node.
+
+    ``ClusterPlacement(cfg)`` (needs a connected Ray): picks the nodes, creates the group and waits
+    until it is reserved (``timeout_s``). ``trainer_options(rank)`` / ``engine_options(e)`` are the
+    ``.options(...)`` of each actor; ``check(what)`` raises :class:`NodeDiedError` once a node of the
+    run is gone; ``remove()`` frees the reservation.
+    """
+
+    PROBE_EVERY_S = 1.0
+
+    def __init__(self, cfg, layout: NodeLayout | None = None, *, timeout_s: float = 300.0):
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        self.layout = layout or node_layout(cfg)
+        self.nodes = self._pick_nodes(ray.nodes())
+        self.node_ids = [n["NodeID"] for n in self.nodes]
+        self.addresses = [(n["NodeManagerAddress"], int(n["NodeManagerPort"])) for n in self.nodes]
+        L = self.layout
+        bundles, selectors = [], []
+        key = _node_label_key()
+        for rank in range(L.world_size):
+            bundles.append(dict(L.rank_bundle))
+            selectors.append({key: self.node_ids[L.rank_node[rank]]})
+        if not L.colocate:
+            for e in range(len(L.engine_node)):
+                bundles.append(dict(L.engine_bundle))
+                selectors.append({key: self.node_ids[L.engine_node[e]]})
+        self.pg = placement_group(bundles, strategy="PACK", name=f"cotrain-{cfg.run.name}",
+                                  bundle_label_selector=selectors)
+        try:
+            ray.get(self.pg.ready(), timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001 - GetTimeoutError, or the group was refused
+            remove_placement_group(self.pg)
+            self.pg = None
+            raise RuntimeError(f"could not reserve the run's placement group within {timeout_s:g} s ({type(e).__name__}): "
+                               f"{len(bundles)} bundles on {self.describe()} - are the nodes' resources taken by "
+                               "another job?") from None
+        self._dead: dict[int, str] = {}
+        self._last_probe = 0.0
+
+    # -- nodes
+    def _pick_nodes(self, nodes: list[dict]) -> list[dict]:
+        from ray.util import get_node_ip_address  # noqa: F401 - ensures a connected worker
+
+        me = current_node_id()
+        alive = [n for n in nodes if n.get("Alive")]
+        alive.sort(key=lambda n: (n["NodeID"] != me, n.get("NodeManagerAddress", ""), n["NodeID"]))
+        L, chosen = self.layout, []
+        for i in range(L.num_nodes):
+            need = L.node_demand(i)
+            pick = next((n for n in alive if n not in chosen and all(n.get("Resources", {}).get(k, 0.0) >= v - 1e-9
+                                                                     for k, v in need.items())), None)
+            if pick is None:
+                have = ", ".join(f"{n['NodeID'][:8]} {_fmt_b({k: v for k, v in n.get('Resources', {}).items() if k in ('CPU', 'GPU')})}"
+                                 for n in alive) or "none"
+                raise RuntimeError(f"cluster.num_nodes={L.num_nodes}: no alive Ray node left with {_fmt_b(need)} for node "
+                                   f"{i} of the layout (alive nodes: {have}); start more nodes (ray start --address=...) "
+                                   "or lower cluster.num_nodes")
+            chosen.append(pick)
+        return chosen
+
+    def label(self, node: int) -> str:
+        addr, _ = self.addresses[node]
+        return f"node {node} ({self.node_ids[node][:12]}, {addr})"
+
+    def describe(self) -> str:
+        return self.layout.describe([self.label(n) for n in range(len(self.node_ids))] if hasattr(self, "node_ids")
+                                    else None)
+
+    # -- actors
+    def _strategy(self, bundle: int) -> dict:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+            self.pg, placement_group_bundle_index=bundle, placement_group_capture_child_tasks=False)}
+
+    def trainer_options(self, rank: int) -> dict:
+        return self._strategy(rank)
+
+    def engine_options(self, engine: int) -> dict:
+        if self.layout.colocate:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            return {"scheduling_strategy": NodeAffinitySchedulingStrategy(self.node_ids[self.layout.engine_node[engine]],
+                                                                           soft=False)}
+        return self._strategy(self.layout.world_size + engine)
+
+    def node_of_rank(self, rank: int) -> str:
+        return self.node_ids[self.layout.rank_node[rank]]
+
+    def node_of_engine(self, engine: int) -> str:
+        return self.node_ids[self.layout.engine_node[engine]]
+
+    # -- liveness
+    def _probe(self, node: int) -> str | None:
+        """Why ``node`` is dead, or None. The raylet's port refusing a connection (or not answering
+        within 2 s) says so at once; Ray's own view (GCS health checks) follows within seconds to
+        a minute."""
+        addr, port = self.addresses[node]
+        for attempt in range(2):
+            try:
+                with socket.create_connection((addr, port), timeout=2.0):
+                    return None
+            except OSError as e:
+                reason = f"its raylet at {addr}:{port} does not answer ({type(e).__name__})"
+                if attempt == 0:
+                    time.sleep(0.2)
+        return reason
+
+    def dead_nodes(self, force: bool = False) -> dict[int, str]:
+        """``{node: reason}`` of the run's nodes found dead (probed at most once per second unless ``force``)."""
+        now = time.monotonic()
+        if self._dead or (not force and now - self._last_probe < self.PROBE_EVERY_S):
+            return dict(self._dead)
+        self._last_probe = now
+        for n in range(len(self.node_ids)):
+            reason = self._probe(n)
+            if reason:
+                self._dead[n] = reason
+        return dict(self._dead)
+
+    def error(self, node: int, what: str) -> NodeDiedError:
+        L = self.layout
+        ranks, engines = L.ranks_on(node), L.engines_on(node)
+        held = []
+        if ranks:
+            stages = sorted({L.stage_of(r) for r in ranks})
+            held.append(f"training rank{'s' if len(ranks) > 1 else ''} {ranks} (pipeline stage"
+                        f"{'s' if len(stages) > 1 else ''} {stages})")
+        if engines:
+            held.append(f"rollout engine{'s' if len(engines) > 1 else ''} {engines}")
+        msg = (f"{self.label(node)} died during {what}: {self._dead.get(node, 'unreachable')}; "
+               f"{' and '.join(held) or 'nothing of this run'} {'were' if len(held) > 1 or len(ranks) + len(engines) > 1 else 'was'} "
+               "on it. The step cannot complete: resume from the last checkpoint (--resume) once the node is back "
+               "or replaced")
+        return NodeDiedError(msg, node, self.node_ids[node], ranks, engines)
+
+    def check(self, what: str, force: bool = False) -> None:
+        """Raise :class:`NodeDiedError` if a node of the run is dead."""
+        dead = self.dead_nodes(force=force)
+        if dead:
+            raise self.error(min(dead), what)
+
+    def check_after_failure(self, what: str, grace_s: float = 3.0) -> None:
+        """After an actor call failed: give a dying node ``grace_s`` to show as dead, then
+        :meth:`check` (returns if every node is alive: the failure was something else)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            self.check(what, force=True)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.3)
+
+    def remove(self) -> None:
+        if getattr(self, "pg", None) is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.pg)
+            except Exception:  # noqa: BLE001 - Ray already gone
+                pass
+            self.pg = None
+
+
+def wait_refs(refs: list, what: str, placement: ClusterPlacement | None, poll_s: float = 1.0) -> list[Any]:
+    """``ray.get(refs)``, but with a placement: a dead node of the run raises :class:`NodeDiedError`
+    within about ``poll_s`` (instead of whenever Ray notices), and so does a failed call whose cause
+    is a dead node."""
+    import ray
+
+    if placement is None:
+        return ray.get(refs)
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_s)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception:
+                placement.check_after_failure(what)
+                raise
+        if pending:
+            placement.check(what)
+    return ray.get(refs)
+
+
+__all__ = ["NodeLayout", "layout_issues", "node_layout", "ClusterPlacement", "NodeDiedError", "wait_refs",
+           "current_node_id"]
