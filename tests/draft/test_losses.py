@@ -122,3 +122,122 @@ def test_draft_loss_dispatch_and_errors():
     loss, _ = draft_loss("soft_ce", empty, p[:1, :2])
     loss.backward()
     assert loss.item() == 0.0
+
+
+# ----- every loss through draft_loss against a hand computation (issue 18) -----------------------------
+# two positions, vocabulary of 3:
+#   z0 = (0, 0, 0)      -> q0 = (1/3, 1/3, 1/3);   p0 = (.5, .25, .25)
+#   z1 = (ln 2, 0, 0)   -> q1 = (1/2, 1/4, 1/4);   p1 = (.7, .2, .1)
+P = [[[0.5, 0.25, 0.25], [0.7, 0.2, 0.1]]]
+Z = [[[0.0, 0.0, 0.0], [math.log(2.0), 0.0, 0.0]]]
+LN2, LN3 = math.log(2.0), math.log(3.0)
+CE = (LN3, 0.7 * LN2 + 0.3 * 2 * LN2)                           # -sum p log q
+H = (1.5 * LN2, -(0.7 * math.log(0.7) + 0.2 * math.log(0.2) + 0.1 * math.log(0.1)))  # entropy of p
+L1 = (1 / 6 + 2 / 12, 0.2 + 0.05 + 0.15)                         # ||p - q||_1
+A = (1 / 3 + 0.25 + 0.25, 0.5 + 0.2 + 0.1)                       # sum min(p, q)
+HARD = (LN3, LN2)                                                # labels (2, 0): -log q0[2], -log q1[0]
+
+
+def _wm(values, w):
+    return sum(v * x for v, x in zip(values, w)) / sum(w)
+
+
+def _hand(name, w):
+    if name == "soft_ce":
+        return _wm(CE, w)
+    if name == "forward_kl":
+        return _wm([c - h for c, h in zip(CE, H)], w)
+    if name == "hard_ce":
+        return _wm(HARD, w)
+    if name == "dspark_l1":  # l1_weight 2
+        return _wm(CE, w) + 2.0 * _wm(L1, w)
+    if name == "e2e_tv":
+        return -_wm([A[0], A[0] * A[1]], w)
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("weight", [None, (1.0, 0.25)])
+@pytest.mark.parametrize("name", ["soft_ce", "forward_kl", "hard_ce", "dspark_l1", "e2e_tv"])
+def test_draft_loss_values_by_hand(name, weight):
+    """draft_loss(name) computes *that* loss (the five values differ), with position weights, and the
+    denominator it reports is the weight of the positions it counts."""
+    w = torch.tensor(weight) if weight is not None else None
+    out = chains(Z, weight=w)
+    loss, m = draft_loss(name, out, torch.tensor(P), labels=torch.tensor([[2, 0]]), l1_weight=2.0)
+    ww = weight or (1.0, 1.0)
+    assert loss.item() == pytest.approx(_hand(name, ww), abs=1e-6)
+    assert m["loss"] == pytest.approx(loss.item(), abs=1e-7)
+    assert m["weight"] == pytest.approx(sum(ww))
+    assert m["overlap"] == pytest.approx(sum(A) / 2, abs=1e-6)  # unweighted mean over valid positions
+    assert m["top1_match"] == pytest.approx(1.0)  # argmax q = argmax p = token 0 at both positions
+    loss.backward()
+    assert out.logits.grad is not None and out.logits.grad.abs().sum() > 0
+
+
+def test_hand_values_of_the_five_losses_are_distinct():
+    vals = [_hand(n, (1.0, 1.0)) for n in ("soft_ce", "forward_kl", "hard_ce", "dspark_l1", "e2e_tv")]
+    assert min(abs(a - b) for i, a in enumerate(vals) for b in vals[i + 1:]) > 0.05  # a dispatch mix-up shows
+
+
+@pytest.mark.parametrize("name", ["soft_ce", "forward_kl", "hard_ce", "dspark_l1", "e2e_tv"])
+def test_invalid_positions_do_not_count(name):
+    out = chains(Z, valid=[[False, True]])
+    loss, m = draft_loss(name, out, torch.tensor(P), labels=torch.tensor([[2, 0]]), l1_weight=2.0)
+    if name == "e2e_tv":  # an invalid position does not break the chain: S1 = a1
+        want = -A[1]
+    else:
+        want = {"soft_ce": CE[1], "forward_kl": CE[1] - H[1], "hard_ce": HARD[1], "dspark_l1": CE[1] + 2 * L1[1]}[name]
+    assert loss.item() == pytest.approx(want, abs=1e-6)
+    assert m["weight"] == pytest.approx(1.0)
+    # hard_ce also drops positions without a label (-1)
+    out = chains(Z)
+    loss, m = draft_loss("hard_ce", out, torch.tensor(P), labels=torch.tensor([[-1, 0]]))
+    assert loss.item() == pytest.approx(HARD[1], abs=1e-6) and m["weight"] == pytest.approx(1.0)
+
+
+def _target():
+    """A target distribution that is a function of a leaf: any gradient reaching it shows in theta.grad."""
+    theta = torch.tensor(P).log().clone().requires_grad_(True)
+    return theta, torch.softmax(theta, -1)
+
+
+@pytest.mark.parametrize("fn", ["soft_ce", "forward_kl", "dspark_l1", "e2e_tv", "l1_distance", "overlap"])
+def test_target_gets_no_gradient(fn):
+    """Each loss detaches the target itself (not only draft_loss): the drafter chases the target, the
+    target is never pulled towards the drafter."""
+    from cotrain.draft import losses
+
+    theta, p = _target()
+    out = chains(Z, confidence=torch.zeros(1, 2, requires_grad=True))
+    f = getattr(losses, fn)
+    if fn in ("l1_distance", "overlap"):
+        loss = f(out.logits, p).sum()
+    elif fn == "dspark_l1":
+        loss = f(out.logits, p, out.valid, confidence=out.confidence)[0]
+    else:
+        loss = f(out.logits, p, out.valid)
+    loss.backward()
+    assert theta.grad is None or theta.grad.abs().max().item() == 0.0, fn
+    assert out.logits.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", ["soft_ce", "forward_kl", "dspark_l1", "e2e_tv"])
+def test_draft_loss_target_gets_no_gradient(name):
+    theta, p = _target()
+    loss, _ = draft_loss(name, chains(Z), p)
+    loss.backward()
+    assert theta.grad is None or theta.grad.abs().max().item() == 0.0
+
+
+def test_target_probs_are_detached_tempered_softmax_of_the_rows():
+    from cotrain.draft.losses import target_probs
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 5, generator=g).requires_grad_(True)
+    out = chains(torch.zeros(1, 2, 5))
+    out.target_rows = torch.tensor([[4, -1]])  # -1: a position past the sequence (clamped to row 0)
+    p = target_probs(logits, out, temperature=0.5)
+    assert not p.requires_grad
+    want = torch.stack([torch.exp(2 * logits[4]) / torch.exp(2 * logits[4]).sum(),
+                        torch.exp(2 * logits[0]) / torch.exp(2 * logits[0]).sum()]).detach()[None]
+    torch.testing.assert_close(p, want, atol=1e-6, rtol=1e-6)

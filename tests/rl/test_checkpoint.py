@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cotrain.rl.checkpoint import CheckpointError, CheckpointManager, CheckpointWarning, atomic_torch_save
+from cotrain.rl.checkpoint import (CheckpointError, CheckpointManager, CheckpointWarning, atomic_torch_save,
+                                   verify_checkpoint)
 
 RANKS = 2
 
@@ -134,3 +135,80 @@ def test_validation_refuses_a_damaged_checkpoint_named_by_path(two_checkpoints, 
     assert launcher.main(args + [str(newest)]) == 2
     err = capsys.readouterr().err
     assert f"checkpoint.resume: '{newest}' is not a usable checkpoint: {newest / 'trainer_rank0000.pt'}: " in err
+
+
+# ----- a commit that fails between files (issue 18) ---------------------------------------------------------
+COMMIT_FILES = ["driver.pt", "MANIFEST.json", "COMPLETE", "latest"]
+
+
+def _failing_at(monkeypatch, name):
+    """atomic_write_bytes that raises when it is about to write ``name`` (a crash between two files)."""
+    import cotrain.rl.checkpoint as ck
+
+    real = ck.atomic_write_bytes
+
+    def write(path, data):
+        if Path(path).name == name:
+            raise OSError(f"disk full writing {name}")
+        real(path, data)
+
+    monkeypatch.setattr(ck, "atomic_write_bytes", write)
+
+
+@pytest.mark.parametrize("fail_at", COMMIT_FILES)
+def test_commit_failing_between_files_leaves_a_step_latest_and_resolve_ignore(two_checkpoints, monkeypatch, fail_at):
+    mgr, older, newest = two_checkpoints
+    d = mgr.begin(6)
+    for r in range(RANKS):
+        atomic_torch_save({"w": torch.zeros(4), "step": 6}, d / f"trainer_rank{r:04d}.pt")
+    _failing_at(monkeypatch, fail_at)
+    with pytest.raises(OSError, match="disk full"):
+        mgr.commit(6, {"step": 6, "data": {"epoch": 0, "pos": 6}})
+    monkeypatch.undo()
+    assert mgr.latest() == newest
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not even a warning: the step was never finished, not damaged
+        assert mgr.resolve(True) == newest
+    assert d not in mgr.complete()[:1]
+    assert (mgr.dir / "latest").read_text() == newest.name
+    # the step is written again from scratch on the next attempt, and then it is the newest
+    assert _save(mgr, 6) == d and mgr.latest() == d and mgr.resolve(True) == d
+
+
+def test_a_rank_failing_before_commit_leaves_no_usable_step(two_checkpoints):
+    mgr, _, newest = two_checkpoints
+    d = mgr.begin(6)
+    atomic_torch_save({"w": torch.zeros(4)}, d / "trainer_rank0000.pt")  # rank 1 died before writing
+    assert mgr.latest() == newest and mgr.resolve(True) == newest and d not in mgr.complete()
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        mgr.resolve(str(d))
+    assert verify_checkpoint(d) == [f"{d}: no COMPLETE marker (the checkpoint was never finished)"]
+
+
+def test_completion_marker_is_written_last_over_verified_files(tmp_path, monkeypatch):
+    """When COMPLETE appears, every file of the step is in place and matches the manifest; `latest`
+    moves only after it."""
+    import cotrain.rl.checkpoint as ck
+
+    mgr = CheckpointManager(tmp_path / "ckpt")
+    real, order = ck.atomic_write_bytes, []
+
+    def write(path, data):
+        path = Path(path)
+        if path.name == "COMPLETE":
+            import hashlib
+
+            files = json.loads((path.parent / "MANIFEST.json").read_text())["files"]
+            assert sorted(files) == ["driver.pt", "trainer_rank0000.pt", "trainer_rank0001.pt"]
+            for name, meta in files.items():  # each file final and as the manifest describes it
+                data_ = (path.parent / name).read_bytes()
+                assert (len(data_), hashlib.sha256(data_).hexdigest()) == (meta["size"], meta["sha256"]), name
+            assert (mgr.dir / "latest").exists() is False or (mgr.dir / "latest").read_text() != path.parent.name
+        order.append(path.name)
+        real(path, data)
+
+    monkeypatch.setattr(ck, "atomic_write_bytes", write)
+    d = _save(mgr, 2)
+    monkeypatch.undo()
+    assert order[-4:] == COMMIT_FILES
+    assert order.index("COMPLETE") == len(order) - 2 and not verify_checkpoint(d)
