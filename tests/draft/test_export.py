@@ -42,7 +42,6 @@ SETTINGS = {"eagle3": {"ttt_steps": 3}, "dflash": {"block_size": 5},
 
 def tiny_batch(d, seed=0):
     g = torch.Generator().manual_seed(seed)
-    lens = (10, 8)
     ids = torch.randint(4, 100, (18,), generator=g)
     taps = torch.randn(18, d.num_taps * H, generator=g)
     return DraftBatch(ids, [0, 10, 18], taps, None, None, torch.tensor([3, 3]))
@@ -139,3 +138,48 @@ def test_dspark_export_runs_in_vllms_dspark_class(target, tiny_model_path, tmp_p
     assert theirs["config"] == {"markov_rank": 8, "block": 4, "layer_ids": [0, 3]}
     torch.testing.assert_close(theirs["logits"], ours.logits, atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(theirs["confidence"], torch.sigmoid(ours.confidence), atol=1e-5, rtol=1e-5)
+
+
+def _by_hand(d, kind):
+    """{vLLM name: the module parameter it must hold}, written out per family from vLLM's classes
+    (Eagle3LlamaForCausalLM's midlayer, DFlash/DSpark's qwen3 layers), not from the drafter's name map."""
+    L = d.layers[0]
+    attn = {f"self_attn.{p}_proj.weight": getattr(L.self_attn, f"{p}_proj").weight for p in ("q", "k", "v", "o")}
+    mlp = {f"mlp.{p}_proj.weight": getattr(L.mlp, f"{p}_proj").weight for p in ("gate", "up", "down")}
+    norms = {"input_layernorm.weight": L.input_layernorm.weight,
+             "post_attention_layernorm.weight": L.post_attention_layernorm.weight}
+    if kind == "eagle3":
+        layer = {**attn, **mlp, **norms, "hidden_norm.weight": L.hidden_norm.weight}
+        return {**{f"midlayer.{k}": v for k, v in layer.items()},
+                "fc.weight": d.fc.weight, "norm.weight": d.norm.weight, "lm_head.weight": d.lm_head.weight}
+    layer = {**attn, **mlp, **norms, "self_attn.q_norm.weight": L.self_attn.q_norm.weight,
+             "self_attn.k_norm.weight": L.self_attn.k_norm.weight}
+    out = {**{f"layers.0.{k}": v for k, v in layer.items()},
+           "fc.weight": d.fc.weight, "hidden_norm.weight": d.hidden_norm.weight, "norm.weight": d.norm.weight}
+    if kind == "dspark":
+        out.update({"markov_head.markov_w1.weight": d.markov_head.markov_w1.weight,
+                    "markov_head.markov_w2.weight": d.markov_head.markov_w2.weight,
+                    "confidence_head.proj.weight": d.confidence_head.proj.weight,
+                    "confidence_head.proj.bias": d.confidence_head.proj.bias})
+    return out
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "dspark"])
+def test_each_exported_tensor_is_the_parameter_it_names(target, tmp_path, kind):
+    """Independent of the drafter's name map (a round trip through one map hides two names swapped
+    in it): each tensor in the export equals the module parameter vLLM's class puts it in, and a
+    checkpoint written by hand in vLLM's names loads into those very parameters."""
+    d = build_drafter(kind, SETTINGS[kind], target, seed=1)
+    with torch.no_grad():
+        for i, p in enumerate(d.parameters()):
+            p.copy_(torch.randn_like(p) + i)  # every parameter distinct (the norms are no longer ~1)
+    want = _by_hand(d, kind)
+    _, _, saved = read_export(export_drafter(d, tmp_path / kind))
+    assert set(saved) == set(want)
+    for name, param in want.items():
+        assert torch.equal(saved[name], param.detach().float()), name
+    fresh = build_drafter(kind, SETTINGS[kind], target, seed=2)
+    fresh.load_vllm_state_dict({k: v.detach().clone() for k, v in want.items()})
+    mine = _by_hand(fresh, kind)
+    for name, param in want.items():
+        assert torch.equal(mine[name].detach(), param.detach()), name
