@@ -3,7 +3,7 @@
 #   make test   - the test suite
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast bench clean mutants
 
 setup:
 	@bash scripts/setup.sh
@@ -17,6 +17,10 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(ARGS)
+
+# planted bugs, one at a time, against their focused tests (minutes; not part of test / CI): docs/testing.md
+mutants: setup
+	$(PY) scripts/mutants.py $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

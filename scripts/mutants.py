@@ -1,0 +1,378 @@
+#!/usr/bin/env python
+"""Mutation testing, curated: plant one plausible bug at a time in a scratch copy of the repository,
+run the tests meant to catch it, and report which bugs went unnoticed.
+
+    make mutants                                  # every mutant (minutes; not part of `make test` / CI)
+    python scripts/mutants.py --list              # the mutants, their files and focused tests
+    python scripts/mutants.py --only rl.clip_swap,draft.soft_ce_no_detach
+    python scripts/mutants.py --check             # only check that every mutation still applies
+    python scripts/mutants.py --baseline          # first run each focused test set unmutated
+
+Each mutant is an exact text substitution in one file (``old`` must occur exactly once: a mutation
+whose code has moved on is reported ``stale``, not silently skipped). The scratch copy is the
+committed tree (``git archive HEAD``; ``--worktree``: the tracked and untracked files as they are
+in the working tree) under a temporary directory; /work/main's own files are never touched. The
+focused tests run from the scratch copy with ``PYTHONPATH`` pointing at it (the editable install
+would otherwise import the real package; a canary checks this), one at a time, ``pytest -x``, each
+under ``--timeout`` seconds (the whole process group is killed on expiry).
+
+Outcomes: ``killed`` (a test failed), ``timeout`` (the mutant hung a test: counted as killed),
+``survived`` (every focused test passed: a missing test, or an equivalent mutant - then it carries
+``equivalent`` with the reason and leaves the denominator), ``stale`` / ``error`` (the mutation no
+longer applies, or pytest could not run: neither counts). Kill rate = (killed + timeout) /
+(killed + timeout + survived). JSON: ``--json`` (default runs/mutants.json).
+
+A new mechanism comes with its mutants here: the bugs one would expect to make in it, each with the
+tests that should notice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Mutant:
+    id: str
+    path: str
+    old: str
+    new: str
+    tests: list[str]
+    why: str
+    timeout: int | None = None  # seconds; None = --timeout
+    equivalent: str | None = None  # the reason, when the mutant cannot change behaviour
+
+
+M = Mutant
+MUTANTS: list[Mutant] = [
+    # ----- cotrain/rl: GRPO maths, trainer, checkpoints, batches, sampling filter ------------------------
+    M("rl.clip_swap_in_loss", "cotrain/rl/grpo.py",
+      "torch.clamp(ratio, 1 - clip_low, 1 + clip_high)", "torch.clamp(ratio, 1 - clip_high, 1 + clip_low)",
+      ["tests/rl/test_grpo_math.py"], "clip bounds swapped in the surrogate"),
+    M("rl.clip_swap_in_trainer", "cotrain/rl/trainer.py",
+      "mb.old_logprobs, adv, g.clip_eps_low, g.clip_eps_high,", "mb.old_logprobs, adv, g.clip_eps_high, g.clip_eps_low,",
+      ["tests/rl/test_trainer.py", "-k", "first_principles"], "the trainer passes the clip bounds swapped",
+      timeout=400),
+    M("rl.logprobs_at_temperature_1", "cotrain/rl/trainer.py",
+      "logits = logits.float() / (s.temperature or 1.0)", "logits = logits.float()",
+      ["tests/rl/test_trainer.py", "-k", "reference_model_stays"],
+      "trainer log-probs at temperature 1 whatever the sampling temperature", timeout=400),
+    M("rl.k3_sign", "cotrain/rl/grpo.py",
+      "d = ref_logp.double() - logp.double()", "d = logp.double() - ref_logp.double()",
+      ["tests/rl/test_grpo_math.py"], "k3 estimates KL(ref || pi) instead of KL(pi || ref)"),
+    M("rl.dual_clip_on_positive", "cotrain/rl/grpo.py",
+      "dual = (advantages < 0) & (objective < floor)", "dual = (advantages > 0) & (objective < floor)",
+      ["tests/rl/test_grpo_math.py"], "dual clip applied to positive advantages"),
+    M("rl.kl_clamp_ignored", "cotrain/rl/grpo.py",
+      "loss = loss + kl_coef * (kl.clamp(max=kl_clamp) if kl_clamp is not None else kl)",
+      "loss = loss + kl_coef * kl", ["tests/rl/test_grpo_math.py"], "the per-token KL penalty is not clamped"),
+    M("rl.loo_baseline_divisor", "cotrain/rl/grpo.py",
+      "base = (rewards.sum(dim=1, keepdim=True) - rewards) / (G - 1)", "base = (rewards.sum(dim=1, keepdim=True) - rewards) / G",
+      ["tests/rl/test_grpo_math.py"], "leave-one-out baseline divides by G"),
+    M("rl.seq_mean_padded_length", "cotrain/rl/grpo.py",
+      "per_seq = (token_losses * mask).sum(dim=1) / counts.clamp(min=1)",
+      "per_seq = (token_losses * mask).sum(dim=1) / token_losses.shape[1]",
+      ["tests/rl/test_grpo_math.py"], "seq_mean divides by the padded length"),
+    M("rl.std_population", "cotrain/rl/grpo.py",
+      "adv = adv / (rewards.std(dim=1, keepdim=True) + eps)", "adv = adv / (rewards.std(dim=1, keepdim=True, unbiased=False) + eps)",
+      ["tests/rl/test_grpo_math.py"], "advantages normalised by the biased std"),
+    M("rl.checkpoint_marker_first", "cotrain/rl/checkpoint.py",
+      "        atomic_torch_save(driver_state, d / \"driver.pt\")\n        write_manifest(d)\n"
+      "        atomic_write_bytes(d / COMPLETE, b\"\")\n",
+      "        atomic_write_bytes(d / COMPLETE, b\"\")\n        atomic_torch_save(driver_state, d / \"driver.pt\")\n"
+      "        write_manifest(d)\n",
+      ["tests/rl/test_checkpoint.py"], "the completion marker is written before the files"),
+    M("rl.checkpoint_latest_before_complete", "cotrain/rl/checkpoint.py",
+      "        atomic_write_bytes(d / COMPLETE, b\"\")\n        atomic_write_bytes(self.dir / \"latest\", d.name.encode())\n",
+      "        atomic_write_bytes(self.dir / \"latest\", d.name.encode())\n        atomic_write_bytes(d / COMPLETE, b\"\")\n",
+      ["tests/rl/test_checkpoint.py"], "`latest` moves before the step is complete"),
+    M("rl.checkpoint_no_size_check", "cotrain/rl/checkpoint.py",
+      "if size != meta[\"size\"]:", "if False:",
+      ["tests/rl/test_checkpoint.py"], "a truncated file passes verification"),
+    M("rl.checkpoint_no_hash", "cotrain/rl/checkpoint.py",
+      "elif hashes and _sha256(p) != meta[\"sha256\"]:", "elif False:",
+      ["tests/rl/test_checkpoint.py"], "a same-size corruption passes verification"),
+    M("rl.checkpoint_stale_partial_kept", "cotrain/rl/checkpoint.py",
+      "        if d.exists():  # a stale partial write of the same step: start it over\n            shutil.rmtree(d)\n"
+      "        d.mkdir(parents=True)",
+      "        d.mkdir(parents=True, exist_ok=True)",
+      ["tests/rl/test_checkpoint.py"], "a stale partial step directory is written into, not restarted"),
+    M("rl.batch_mask_skips_first_response_token", "cotrain/rl/batch.py",
+      "start, end = len(s.prompt_token_ids) - 1, len(seq) - 1", "start, end = len(s.prompt_token_ids), len(seq) - 1",
+      ["tests/rl/test_batch.py"], "the first response token is not trained on"),
+    M("rl.top_k_off_by_one", "cotrain/rl/sampling_filter.py",
+      "kth = srt[:, V - top_k:V - top_k + 1]", "kth = srt[:, V - top_k - 1:V - top_k]",
+      ["tests/rl/test_sampling_filter.py", "-k", "kept_set"], "top-k keeps k + 1 tokens"),
+    # ----- cotrain/tapchannel: stamps, slots, release ----------------------------------------------------
+    M("tap.stale_stamp_accepted", "cotrain/tapchannel/mailbox.py",
+      "        if before != seq + 1:\n            raise self._err(TapLappedError if before > seq + 1",
+      "        if before > seq + 1:\n            raise self._err(TapLappedError if before > seq + 1",
+      ["tests/tapchannel/test_mailbox.py", "tests/tapchannel/test_mailbox_stamps.py"],
+      "read() accepts a slot holding an older stamp"),
+    M("tap.release_before_copy", "cotrain/tapchannel/channel.py",
+      "                x = tr.read(t, seq, copy)\n                if copy:\n                    tr.release(t, seq)\n"
+      "                else:\n                    views.append(spec.layer)\n",
+      "                if copy:\n                    tr.release(t, seq)\n                x = tr.read(t, seq, copy)\n"
+      "                if not copy:\n                    views.append(spec.layer)\n",
+      ["tests/tapchannel/test_mailbox_stamps.py"], "a TapChannel slot is released before its copy is taken"),
+    M("tap.copy_is_a_view", "cotrain/tapchannel/mailbox.py",
+      "        if copy:\n            rows = rows.clone()\n", "",
+      ["tests/tapchannel/test_mailbox.py", "tests/tapchannel/test_mailbox_stamps.py"],
+      "read(copy=True) returns a view of the slot"),
+    M("tap.backpressure_off_by_one", "cotrain/tapchannel/mailbox.py",
+      "need = seq + 1 - self.slots", "need = seq - self.slots",
+      ["tests/tapchannel/test_mailbox.py"], "a writer overwrites a slot the reader has not released"),
+    M("tap.release_stamp_off_by_one", "cotrain/tapchannel/mailbox.py",
+      "        words[RELEASED] = seq + 1\n", "        words[RELEASED] = seq\n",
+      ["tests/tapchannel/test_mailbox.py"], "a release frees the slot one microbatch too late"),
+    M("tap.lap_not_detected", "cotrain/tapchannel/mailbox.py",
+      "        if seq > head:\n", "        if seq > head + 1:\n",
+      ["tests/tapchannel/test_mailbox.py"], "a writer that skipped a microbatch is not caught at its claim"),
+    M("tap.gpu_release_not_deferred", "cotrain/tapchannel/transports/release.py",
+      "            if event.query():  # the GPU is already past the read: no hand-off\n",
+      "            if True:  # the GPU is already past the read: no hand-off\n",
+      ["tests/tapchannel/test_release.py"], "a cuda_ipc slot is released before the GPU copy finished"),
+    M("tap.slots_below_pipeline_depth", "cotrain/tapchannel/channel.py",
+      "if self.slots < need:", "if self.slots < need - 1:",
+      ["tests/tapchannel/test_spec.py"], "too few slots for the 1F1B depth are accepted"),
+    # ----- cotrain/draft: losses, export, acceptance -----------------------------------------------------
+    M("draft.soft_ce_no_detach", "cotrain/draft/losses.py",
+      "    per = -(p.detach() * logq).sum(-1)\n", "    per = -(p * logq).sum(-1)\n",
+      ["tests/draft/test_losses.py"], "soft CE lets gradient into the target"),
+    M("draft.forward_kl_no_detach", "cotrain/draft/losses.py",
+      "    p = p.detach()\n    per = (torch.special.xlogy(p, p) - p * logq).sum(-1)\n",
+      "    per = (torch.special.xlogy(p, p) - p * logq).sum(-1)\n",
+      ["tests/draft/test_losses.py"], "forward KL lets gradient into the target"),
+    M("draft.target_probs_no_detach", "cotrain/draft/losses.py",
+      "target_logits[rows].float().detach() / temperature", "target_logits[rows].float() / temperature",
+      ["tests/draft/test_losses.py"], "target_probs keeps the target's graph"),
+    M("draft.forward_kl_dispatch", "cotrain/draft/losses.py",
+      "        loss = forward_kl(out.logits, p_ce, ce_valid, w)", "        loss = soft_ce(out.logits, p_ce, ce_valid, w)",
+      ["tests/draft/test_losses.py"], "draft_loss('forward_kl') computes soft CE"),
+    M("draft.e2e_invalid_breaks_chain", "cotrain/draft/losses.py",
+      "a = torch.where(valid, a, torch.ones_like(a))", "a = torch.where(valid, a, torch.zeros_like(a))",
+      ["tests/draft/test_losses.py"], "an invalid position breaks the E2E-TV chain"),
+    M("draft.dspark_label_not_detached", "cotrain/draft/losses.py",
+      "label = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)", "label = (1.0 - 0.5 * l1).clamp(0.0, 1.0)",
+      ["tests/draft/test_losses.py"], "the confidence label backpropagates into the drafter"),
+    M("draft.eagle3_norms_swapped_in_vllm_map", "cotrain/draft/eagle3.py",
+      "                m[prefix + name] = f\"layers.{i}.{name}\"\n        return m\n",
+      "                m[prefix + name] = f\"layers.{i}.{name}\"\n"
+      "            a, b = prefix + \"input_layernorm.weight\", prefix + \"hidden_norm.weight\"\n"
+      "            m[a], m[b] = m[b], m[a]\n        return m\n",
+      ["tests/draft/test_export.py", "-m", "not slow"], "EAGLE-3's input_layernorm and hidden_norm swapped in the vLLM name map"),
+    M("draft.dflash_norms_swapped_in_vllm_map", "cotrain/draft/dflash.py",
+      "m = {\"fc.weight\": \"fc.weight\", \"hidden_norm.weight\": \"hidden_norm.weight\", \"norm.weight\": \"norm.weight\"}",
+      "m = {\"fc.weight\": \"fc.weight\", \"hidden_norm.weight\": \"norm.weight\", \"norm.weight\": \"hidden_norm.weight\"}",
+      ["tests/draft/test_export.py", "-m", "not slow"], "DFlash's hidden_norm and norm swapped in the vLLM name map"),
+    M("draft.vllm_tap_ids_not_shifted", "cotrain/draft/taps.py",
+      "return [int(i) + 1 for i in tap_layers]", "return [int(i) for i in tap_layers]",
+      ["tests/draft/test_export.py", "-m", "not slow"], "EAGLE-3 aux layer ids in cotrain's convention, not vLLM's"),
+    M("draft.accept_lengths_not_leading", "cotrain/draft/acceptance.py",
+      "return 1 + torch.cumprod(m, dim=1).sum(dim=1)", "return 1 + m.sum(dim=1)",
+      ["tests/draft/test_acceptance.py", "-m", "not slow"], "acceptance counts every match, not the leading run"),
+    # ----- cotrain/parallel: LSE merge, zigzag --------------------------------------------------------------
+    M("parallel.lse_weight_sign", "cotrain/parallel/lse.py",
+      "torch.sigmoid(block_lse - lse)", "torch.sigmoid(lse - block_lse)",
+      ["tests/parallel/test_layout_zigzag.py"], "the LSE merge weighs the wrong side"),
+    M("parallel.lse_empty_nan", "cotrain/parallel/lse.py",
+      "nan=0.0)", "nan=1.0)", ["tests/parallel/test_layout_zigzag.py"], "two empty sides merge into garbage"),
+    M("parallel.zigzag_mirror_chunk", "cotrain/parallel/zigzag.py",
+      "for i in (rank, 2 * cp_size - 1 - rank):", "for i in (rank, 2 * cp_size - 2 - rank):",
+      ["tests/parallel/test_layout_zigzag.py"], "zigzag pairs chunk r with 2C-2-r"),
+    M("parallel.zigzag_pad_unit", "cotrain/parallel/zigzag.py",
+      "    unit = 2 * cp_size\n    return (seqlens + unit - 1) // unit * unit",
+      "    unit = cp_size\n    return (seqlens + unit - 1) // unit * unit",
+      ["tests/parallel/test_layout_zigzag.py"], "sequences padded to C instead of 2C"),
+    # ----- cotrain/config ---------------------------------------------------------------------------------------
+    M("config.shallow_merge", "cotrain/config/loader.py",
+      "if isinstance(value, dict) and isinstance(out.get(key), dict):", "if False:",
+      ["tests/test_config.py"], "defaults / overrides replace whole sections instead of merging"),
+    M("config.kl_without_reference_accepted", "cotrain/config/validate.py",
+      "if g.kl_coef > 0 and not pol.reference_model:", "if g.kl_coef > 0 and pol.reference_model:",
+      ["tests/test_config.py"], "kl_coef > 0 without a reference model passes validation"),
+    M("config.optimizer_steps_ignore_epochs", "cotrain/config/validate.py",
+      "return g.num_steps * (B // gbs) * g.epochs", "return g.num_steps * (B // gbs)",
+      ["tests/test_config.py"], "the LR schedule's length ignores grpo.epochs"),
+    # ----- cotrain/tasks ----------------------------------------------------------------------------------------
+    M("tasks.first_marker", "cotrain/tasks/rewards.py",
+      "response = response.rsplit(MARKER, 1)[1]", "response = response.split(MARKER, 1)[1]",
+      ["tests/test_task_and_tiny.py", "tests/test_gcd_and_small.py", "-m", "not slow"],
+      "the answer is read after the first `=>`, not the last"),
+    M("tasks.format_error_never", "cotrain/tasks/rewards.py",
+      "if not got or (is_number(want) and not is_number(got)):", "if not got:",
+      ["tests/test_task_and_tiny.py", "-m", "not slow"], "a non-numeric answer to a numeric question is not a format error"),
+    M("tasks.resume_wrong_epoch_order", "cotrain/tasks/data.py",
+      "int(state[\"pos\"])\n        self._order = self._permutation(self.epoch)\n",
+      "int(state[\"pos\"])\n        self._order = self._permutation(0)\n",
+      ["tests/test_task_and_tiny.py", "-m", "not slow"], "a resumed prompt stream uses epoch 0's order"),
+]
+
+
+def by_id() -> dict[str, Mutant]:
+    out = {m.id: m for m in MUTANTS}
+    assert len(out) == len(MUTANTS), "duplicate mutant ids"
+    return out
+
+
+# ----- scratch copy -------------------------------------------------------------------------------------
+def make_scratch(worktree: bool) -> Path:
+    root = Path(tempfile.mkdtemp(prefix="cotrain-mutants-"))
+    if worktree:
+        files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, check=True,
+                               capture_output=True).stdout.decode().split("\0")
+        for f in filter(None, files):
+            src = REPO / f
+            if src.is_file():
+                (root / f).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, root / f)
+    else:
+        archive = subprocess.run(["git", "archive", "HEAD"], cwd=REPO, check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
+    return root
+
+
+def env_for(scratch: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(scratch) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # a mutant's .pyc can never outlive it
+    return env
+
+
+def canary(scratch: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", "import cotrain; print(cotrain.__file__)"], cwd=scratch,
+                         env=env_for(scratch), capture_output=True, text=True, check=True).stdout.strip()
+    if not Path(out).resolve().is_relative_to(scratch.resolve()):
+        raise SystemExit(f"canary: the scratch copy imports cotrain from {out}, not from {scratch}")
+
+
+# ----- running ------------------------------------------------------------------------------------------
+def run_tests(scratch: Path, tests: list[str], timeout: int) -> tuple[str, float, str]:
+    """(outcome of pytest: passed / failed / timeout / error, seconds, output tail)."""
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=scratch, env=env_for(scratch), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return "timeout", time.monotonic() - t0, (out or "")[-2000:]
+    dt = time.monotonic() - t0
+    status = {0: "passed", 1: "failed"}.get(proc.returncode, "error")
+    return status, dt, (out or "")[-2000:]
+
+
+def apply(scratch: Path, m: Mutant) -> str | None:
+    """The file's original text after writing the mutant, or None when the mutation is stale."""
+    path = scratch / m.path
+    if not path.exists():
+        return None
+    text = path.read_text()
+    if text.count(m.old) != 1:
+        return None
+    path.write_text(text.replace(m.old, m.new))
+    return text
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", help="comma-separated mutant ids (or id prefixes: 'tap.', 'rl.')")
+    ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--check", action="store_true", help="only check that every mutation applies")
+    ap.add_argument("--baseline", action="store_true", help="run each focused test set unmutated first")
+    ap.add_argument("--timeout", type=int, default=240, help="seconds per mutant (default 240)")
+    ap.add_argument("--worktree", action="store_true", help="copy the working tree instead of HEAD")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch copy")
+    ap.add_argument("--json", default=str(REPO / "runs" / "mutants.json"), help="where to write the results")
+    args = ap.parse_args(argv)
+
+    mutants = MUTANTS
+    by_id()
+    if args.only:
+        keys = [k.strip() for k in args.only.split(",") if k.strip()]
+        mutants = [m for m in MUTANTS if any(m.id == k or (k.endswith(".") and m.id.startswith(k)) for k in keys)]
+        if not mutants:
+            raise SystemExit(f"no mutant matches {args.only!r}")
+    if args.list:
+        for m in mutants:
+            print(f"{m.id:42s} {m.path:42s} {' '.join(m.tests)}\n    {m.why}")
+        print(f"{len(mutants)} mutants")
+        return 0
+
+    scratch = make_scratch(args.worktree)
+    results = []
+    try:
+        canary(scratch)
+        if args.baseline:
+            for tests in sorted({tuple(m.tests) for m in mutants}):
+                status, dt, tail = run_tests(scratch, list(tests), max(args.timeout, 600))
+                print(f"baseline {status:7s} {dt:6.1f}s  {' '.join(tests)}", flush=True)
+                if status != "passed":
+                    print(tail)
+                    raise SystemExit("the focused tests fail without any mutation: fix that first")
+        for i, m in enumerate(mutants, 1):
+            original = apply(scratch, m)
+            if original is None:
+                status, dt, tail = "stale", 0.0, f"{m.path}: the text to mutate is not there exactly once"
+            else:
+                try:
+                    if args.check:
+                        status, dt, tail = "applies", 0.0, ""
+                    else:
+                        ran, dt, tail = run_tests(scratch, m.tests, m.timeout or args.timeout)
+                        status = {"failed": "killed", "passed": "survived"}.get(ran, ran)
+                finally:
+                    (scratch / m.path).write_text(original)
+            if status == "survived" and m.equivalent:
+                status = "equivalent"
+            results.append({**asdict(m), "status": status, "seconds": round(dt, 1),
+                            "output_tail": tail if status not in ("killed", "applies") else tail[-600:]})
+            print(f"[{i:2d}/{len(mutants)}] {status:10s} {dt:6.1f}s  {m.id}  ({m.why})", flush=True)
+    finally:
+        if args.keep:
+            print(f"scratch copy kept: {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    counts = {s: sum(r["status"] == s for r in results) for s in
+              ("killed", "timeout", "survived", "equivalent", "stale", "error", "applies")}
+    scored = counts["killed"] + counts["timeout"] + counts["survived"]
+    rate = (counts["killed"] + counts["timeout"]) / scored if scored else None
+    summary = {"mutants": len(results), **counts, "kill_rate": rate,
+               "survivors": [r["id"] for r in results if r["status"] == "survived"],
+               "equivalent": {r["id"]: r["equivalent"] for r in results if r["status"] == "equivalent"},
+               "not_scored": [r["id"] for r in results if r["status"] in ("stale", "error")],
+               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                        text=True).stdout.strip(),
+               "worktree": args.worktree}
+    if args.check:
+        print(f"{counts['applies']} of {len(results)} mutations apply; stale: {summary['not_scored'] or 'none'}")
+        return 0 if counts["stale"] == 0 else 1
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"summary": summary, "results": results}, indent=1))
+    print(f"\nkill rate {rate:.0%} ({counts['killed'] + counts['timeout']} of {scored}; {counts['timeout']} by timeout)"
+          if rate is not None else "\nnothing scored")
+    for r in results:
+        if r["status"] in ("survived", "stale", "error"):
+            print(f"  {r['status']:9s} {r['id']}: {r['why']}")
+    print(f"JSON: {out}")
+    return 0 if not summary["survivors"] and not summary["not_scored"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
