@@ -39,7 +39,8 @@ def one_thread():
 
 
 def distilled(kind: str, overrides=()):
-    """(run directory, DistillConfig) of the cached distillation of configs/distill_<kind>.yaml."""
+    """(run directory, DistillConfig) of the cached distillation of configs/distill_<kind>.yaml
+    (``kind``: the config's name after ``distill_``, e.g. ``eagle3`` or ``words_eagle3``)."""
     from cotrain.draft.cache import ensure_distilled
     from cotrain.draft.distill import load_distill_config
 
@@ -58,11 +59,12 @@ def held_out(cfg, hf_target, tap_layers):
     return prompts, records, records_to_batch(records, model, tap_layers)
 
 
-def prepare(kind, k, hf_target, target, overrides=()) -> Served:
+def prepare(kind, k, hf_target, target, overrides=(), config=None) -> Served:
+    """``config``: the distillation config's name (configs/distill_<config>.yaml), default ``kind``."""
     from cotrain.draft.acceptance import estimate_acceptance
     from cotrain.draft.export import load_drafter
 
-    run, cfg = distilled(kind, overrides)
+    run, cfg = distilled(config or kind, overrides)
     drafter = load_drafter(run / "drafter", target).eval()
     prompts, records, batch = held_out(cfg, hf_target, drafter.tap_layers)
     offline = estimate_acceptance(drafter, batch, k=k, eos_token_id=target.eos_token_id)
@@ -97,22 +99,29 @@ def greedy_run(llm, prompts, max_tokens=16):
     return [list(o.outputs[0].token_ids) for o in outs], 1.0 + acc / max(rounds, 1), acc, rounds
 
 
-def first_two_tokens_distribution(model, prompt_ids, eos_id):
+def first_two_tokens_distribution(model, prompt_ids, eos_id, chunk: int = 512, min_cell: float = 1e-9):
     """Exact target distribution of the first two generated tokens at temperature 1:
-    {(t1, t2): p} and {(eos,): p} when the first token ends the sequence."""
+    {(t1, t2): p} and {(eos,): p} when the first token ends the sequence. Cells of probability at
+    most ``min_cell`` are left out (their mass stays out of the normalisation: chi_square pools it
+    with the other small cells). The second token's distributions are computed only after first
+    tokens above ``min_cell``, ``chunk`` continuations at a time (a large vocabulary's V x V
+    logits would not fit)."""
     with torch.no_grad():
         ids = torch.tensor([prompt_ids])
         p1 = model(input_ids=ids).logits[0, -1].float().softmax(-1).double()
-        V = p1.shape[0]
-        seqs = torch.cat([ids.repeat(V, 1), torch.arange(V)[:, None]], dim=1)
-        p2 = model(input_ids=seqs).logits[:, -1].float().softmax(-1).double()
-    joint = p1[:, None] * p2
-    joint[eos_id] = 0.0
-    out = {(a, b): float(joint[a, b]) for a, b in zip(*torch.nonzero(joint > 1e-9, as_tuple=True))}
-    out = {(int(a), int(b)): p for (a, b), p in out.items()}
-    out[(eos_id,)] = float(p1[eos_id])
-    total = sum(out.values())
-    return {c: p / total for c, p in out.items()}
+        firsts = torch.nonzero(p1 > min_cell).flatten()  # (a pair's probability is at most its first token's)
+        rows = []
+        for c in range(0, firsts.numel(), chunk):
+            a = firsts[c: c + chunk]
+            seqs = torch.cat([ids.repeat(a.numel(), 1), a[:, None]], dim=1)
+            rows.append(model(input_ids=seqs, logits_to_keep=1).logits[:, -1].float().softmax(-1).double())
+    joint = p1[firsts, None] * torch.cat(rows)  # (first tokens kept, V)
+    joint[firsts == eos_id] = 0.0
+    total = float(p1.sum())  # = 1 up to rounding: every pair's mass plus the EOS cell
+    out = {(int(firsts[i]), int(b)): float(joint[i, b]) / total
+           for i, b in zip(*torch.nonzero(joint > min_cell, as_tuple=True))}
+    out[(eos_id,)] = float(p1[eos_id]) / total
+    return out
 
 
 def entropy(dist) -> float:
@@ -142,10 +151,26 @@ def chi_square(counts: dict, probs: dict, min_expected: float = 5.0):
     return stat, df, p
 
 
-def pick_uncertain_prompt(model, tok, candidates, eos_id):
-    """The candidate whose first two target tokens have the most entropy (the strongest test)."""
-    best = max(candidates, key=lambda p: entropy(first_two_tokens_distribution(model, tok.encode(p), eos_id)))
-    return best, first_two_tokens_distribution(model, tok.encode(best), eos_id)
+def pick_uncertain_prompt(model, tok, candidates, eos_id, pooled_n: int = 0, min_cell: float = 1e-9):
+    """The candidate whose first two target tokens have the most entropy (the strongest test).
+
+    ``pooled_n`` > 0 (large vocabularies): the candidate whose *first* token has the most entropy
+    as a chi-square test of ``pooled_n`` samples sees it - tokens expected fewer than 5 times pooled
+    into one cell - and only its two-token distribution is computed. (With thousands of tokens the
+    plain entropy favours a prompt whose mass is spread thinly over the whole vocabulary: every cell
+    pooled, nothing left to test.)"""
+    if pooled_n:
+        def pooled_entropy(prompt):
+            with torch.no_grad():
+                q = model(input_ids=torch.tensor([tok.encode(prompt)])).logits[0, -1].float().softmax(-1).double()
+            big = q[q * pooled_n >= 5.0]
+            cells = torch.cat([big, (1.0 - big.sum()).clamp_min(0.0).reshape(1)])
+            return float(-(cells * cells.clamp_min(1e-300).log()).sum())
+        best = max(candidates, key=pooled_entropy)
+        return best, first_two_tokens_distribution(model, tok.encode(best), eos_id, min_cell=min_cell)
+    dists = {p: first_two_tokens_distribution(model, tok.encode(p), eos_id, min_cell=min_cell) for p in candidates}
+    best = max(candidates, key=lambda p: entropy(dists[p]))
+    return best, dists[best]
 
 
 def sample_first_two(llm, prompt, n, seed0=1000):
@@ -218,7 +243,8 @@ class _Scaled:
         return out
 
 
-def check_temperature_one(served: Served, hf_target, target, n: int = 2000) -> None:
+def check_temperature_one(served: Served, hf_target, target, n: int = 2000, pooled: bool = False,
+                          min_cell: float = 1e-9) -> None:
     """(3) at temperature 1 the first two sampled tokens follow the target's exact distribution
     (= target-only sampling): chi-square with fixed per-request seeds. Needs cotrain's CPU repair of
     vLLM's rejection sampler (cotrain.rl.vllm_ext)."""
@@ -227,13 +253,14 @@ def check_temperature_one(served: Served, hf_target, target, n: int = 2000) -> N
     model, tok = hf_target
     if not torch.cuda.is_available():
         assert cpu_rejection_sampler_fixed()  # in-process engine: the repair is in this process
-    prompt, exact = pick_uncertain_prompt(model, tok, served.prompts[:40], target.eos_token_id)
+    prompt, exact = pick_uncertain_prompt(model, tok, served.prompts[:40], target.eos_token_id, n if pooled else 0,
+                                          min_cell)
     counts, first_accepted, rounds = sample_first_two(served.llm, prompt, n=n)
     # both verification outcomes occur (the first draft is accepted in some rounds, rejected in others)
     assert rounds > 0.75 * n and min(first_accepted, rounds - first_accepted) >= 20, (first_accepted, rounds)
     stat, df, p = chi_square(counts, exact)
     assert p > 1e-3, (stat, df, p, prompt)
     # power: the same counts against the target at temperature 1.3 are rejected
-    hot = first_two_tokens_distribution(_Scaled(model, 1.3), tok.encode(prompt), target.eos_token_id)
+    hot = first_two_tokens_distribution(_Scaled(model, 1.3), tok.encode(prompt), target.eos_token_id, min_cell=min_cell)
     assert chi_square(counts, hot)[2] < 1e-6
     served.extra["chi2"] = {"stat": stat, "df": df, "p": p, "prompt": prompt, "first_accept_rate": first_accepted / rounds}
