@@ -149,9 +149,11 @@ def layout_issues(cfg, *, cpus_per_node: float | None = None, gpus_per_node: flo
            f"cluster.cpus_per_node={C:g} / policy.cpus_per_worker={pol.cpus_per_worker}")
     m = tp * cp
     if m > cap:
-        group = "TP" if tp > cap else "CP"
+        group, ranks = _straddling_group(tp, cp, cap)
+        nodes = sorted({rk // cap for rk in ranks})
         issues.append(("policy.parallel", f"TP x CP = {tp} x {cp} = {m} ranks per group, a node holds {cap} trainer "
-                       f"rank(s) ({why}): the {group} group would straddle nodes (allowed: TP x CP <= {cap}, or "
+                       f"rank(s) ({why}): the {group} group of ranks {_span(ranks)} would straddle nodes "
+                       f"{_span(nodes)} (TP and CP groups must stay inside a node; allowed: TP x CP <= {cap}, or "
                        "larger nodes)"))
         return None, issues
     groups = W // m
@@ -186,6 +188,20 @@ def layout_issues(cfg, *, cpus_per_node: float | None = None, gpus_per_node: flo
                       colocate=bool(r.colocate), tp=tp, cp=cp, dp=dp, pp=pp), []
 
 
+def _straddling_group(tp: int, cp: int, cap: int) -> tuple[str, list[int]]:
+    """The first TP group (else CP group) that crosses a node boundary when ranks fill nodes of ``cap``
+    ranks in Megatron's order (TP fastest, then CP): ``("TP" | "CP", its ranks)``."""
+    for g in range(cp):  # TP groups of the first TP x CP block: ranks g*tp .. g*tp + tp - 1
+        ranks = list(range(g * tp, (g + 1) * tp))
+        if len({rk // cap for rk in ranks}) > 1:
+            return "TP", ranks
+    for i in range(tp):  # CP groups of the first block: i, i + tp, ..., i + (cp - 1) tp
+        ranks = [i + j * tp for j in range(cp)]
+        if len({rk // cap for rk in ranks}) > 1:
+            return "CP", ranks
+    return "TP x CP", list(range(tp * cp))  # pragma: no cover - tp * cp > cap always splits one of them
+
+
 def _spread(count: int, hosts: list[int], room: dict[int, int]) -> tuple[int, ...] | None:
     """``count`` items over ``hosts`` (those with room) in contiguous blocks of equal size, or None."""
     usable = [n for n in hosts if room[n] > 0]
@@ -217,6 +233,15 @@ class NodeDiedError(RuntimeError):
     def __init__(self, message: str, node: int, node_id: str, ranks: list[int], engines: list[int]):
         super().__init__(message)
         self.node, self.node_id, self.ranks, self.engines = node, node_id, ranks, engines
+        self.step: int | None = None
+
+    def during_step(self, step: int) -> "NodeDiedError":
+        """The same error, its message starting with the GRPO step it failed."""
+        if self.step is not None:
+            return self
+        e = NodeDiedError(f"step {step}: {self}", self.node, self.node_id, self.ranks, self.engines)
+        e.step = step
+        return e
 
 
 def current_node_id() -> str | None:
@@ -282,10 +307,11 @@ class ClusterPlacement:
 
     # -- nodes
     def _pick_nodes(self, nodes: list[dict]) -> list[dict]:
-        from ray.util import get_node_ip_address  # noqa: F401 - ensures a connected worker
-
         me = current_node_id()
-        alive = [n for n in nodes if n.get("Alive")]
+        # Ray's Alive flag lags a raylet's death by its health checks (~15 s by default): a node whose
+        # raylet refuses connections is not taken either (e.g. --resume right after a node died)
+        alive = [n for n in nodes if n.get("Alive")
+                 and _raylet_down(n["NodeManagerAddress"], int(n["NodeManagerPort"])) is None]
         alive.sort(key=lambda n: (n["NodeID"] != me, n.get("NodeManagerAddress", ""), n["NodeID"]))
         L, chosen = self.layout, []
         for i in range(L.num_nodes):
@@ -334,31 +360,27 @@ class ClusterPlacement:
         return self.node_ids[self.layout.engine_node[engine]]
 
     # -- liveness
-    def _probe(self, node: int) -> str | None:
-        """Why ``node`` is dead, or None. The raylet's port refusing a connection (or not answering
-        within 2 s) says so at once; Ray's own view (GCS health checks) follows within seconds to
-        a minute."""
-        addr, port = self.addresses[node]
-        for attempt in range(2):
-            try:
-                with socket.create_connection((addr, port), timeout=2.0):
-                    return None
-            except OSError as e:
-                reason = f"its raylet at {addr}:{port} does not answer ({type(e).__name__})"
-                if attempt == 0:
-                    time.sleep(0.2)
-        return reason
-
     def dead_nodes(self, force: bool = False) -> dict[int, str]:
-        """``{node: reason}`` of the run's nodes found dead (probed at most once per second unless ``force``)."""
+        """``{node: reason}`` of the run's nodes found dead (looked at most once per second unless ``force``).
+
+        Two views, either is enough. Ray's own (``ray.nodes()``: ``Alive`` false, set by the GCS once
+        the node unregisters or misses its health checks - a raylet killed with SIGKILL shows as alive
+        for about 15 s with Ray's defaults, measured on a ray.cluster_utils.Cluster; the state API
+        needs the dashboard), and a TCP connect to the node's raylet (NodeManagerPort): refused at once
+        when the raylet process is gone, and after 2 s without an answer (retried once) when the
+        machine is unreachable. The worker processes of a node outlive its raylet by a few seconds
+        (their calls may even complete), so an alive actor does not prove an alive node."""
         now = time.monotonic()
         if self._dead or (not force and now - self._last_probe < self.PROBE_EVERY_S):
             return dict(self._dead)
         self._last_probe = now
-        for n in range(len(self.node_ids)):
-            reason = self._probe(n)
+        for n in range(len(self.node_ids)):  # the raylets first: a GCS that is gone too would make Ray's view slow
+            reason = _raylet_down(*self.addresses[n])
             if reason:
                 self._dead[n] = reason
+        if not self._dead:
+            gone = _gcs_dead(self.node_ids)
+            self._dead.update({n: gone[i] for n, i in enumerate(self.node_ids) if i in gone})
         return dict(self._dead)
 
     def error(self, node: int, what: str) -> NodeDiedError:
@@ -402,6 +424,40 @@ class ClusterPlacement:
             except Exception:  # noqa: BLE001 - Ray already gone
                 pass
             self.pg = None
+
+
+def _raylet_down(addr: str, port: int, timeout_s: float = 2.0) -> str | None:
+    """Why the raylet at ``addr:port`` is down (connection refused, or no answer within ``timeout_s``
+    twice), or None if it accepts a connection."""
+    reason = None
+    for attempt in range(2):
+        try:
+            with socket.create_connection((addr, port), timeout=timeout_s):
+                return None
+        except OSError as e:
+            reason = f"its raylet at {addr}:{port} does not answer ({type(e).__name__})"
+            if attempt == 0:
+                time.sleep(0.2)
+    return reason
+
+
+def _gcs_dead(node_ids: list[str]) -> dict[str, str]:
+    """``{node_id: reason}`` of the given nodes that Ray's GCS reports dead (not alive, or unknown)."""
+    try:
+        import ray
+
+        known = {n["NodeID"]: n for n in ray.nodes()}
+    except Exception:  # noqa: BLE001 - the GCS itself unreachable: the raylet probe decides
+        return {}
+    out = {}
+    for node_id in node_ids:
+        n = known.get(node_id)
+        if n is None:
+            out[node_id] = "Ray no longer knows the node"
+        elif not n.get("Alive"):
+            why = n.get("DeathReasonMessage") or n.get("DeathReason") or "no reason given"
+            out[node_id] = f"Ray reports it dead ({why})"
+    return out
 
 
 def wait_refs(refs: list, what: str, placement: ClusterPlacement | None, poll_s: float = 1.0) -> list[Any]:

@@ -56,9 +56,12 @@ def test_refusals_name_the_group_that_would_straddle():
     _issue(["cluster.num_nodes=4", "cluster.cpus_per_node=4", "policy.parallel.tensor=2", "policy.parallel.context=4",
             "policy.micro_batch_size=8"],
            "policy.parallel", "TP x CP = 2 x 4 = 8 ranks per group, a node holds 4 trainer rank(s)",
-           "the CP group would straddle nodes")
+           "the CP group of ranks 0, 2, 4, 6 would straddle nodes 0, 1")  # ranks 0-3 fill node 0
     _issue(["cluster.num_nodes=4", "cluster.cpus_per_node=1", "policy.parallel.tensor=2"],
-           "policy.parallel", "the TP group would straddle nodes", "allowed: TP x CP <= 1")
+           "policy.parallel", "the TP group of ranks 0, 1 would straddle nodes 0, 1", "allowed: TP x CP <= 1")
+    # TP = 2 fits a node of 3 but TP x CP = 4 does not: ranks 0-2 fill node 0, the TP group 2, 3 would cross
+    _issue(["cluster.num_nodes=2", "cluster.cpus_per_node=3", "policy.parallel.tensor=2", "policy.parallel.context=2",
+            "rollout.num_engines=2"], "policy.parallel", "the TP group of ranks 2, 3 would straddle nodes 0, 1")
     _issue(["cluster.num_nodes=2", "cluster.engine_nodes=2"], "cluster.engine_nodes", "allowed: 0..1")
     _issue(["cluster.num_nodes=2", "cluster.engine_nodes=1", "rollout.colocate=true"], "cluster.engine_nodes",
            "colocated engines run on the trainers' nodes")
@@ -102,3 +105,34 @@ def test_plan_numbers_nodes_as_the_placement(overrides, gpus):
         assert st.node == lay.rank_node[st.stage * span]
         if st.tap_bytes_per_microbatch:
             assert st.tap_link == ("intra" if st.node == last else "inter")
+
+
+def test_nodes_whose_raylet_is_gone_are_not_picked():
+    """Ray's Alive flag lags a killed raylet by ~15 s: the placement also probes each raylet's port."""
+    import socket
+
+    from cotrain.placement import ClusterPlacement, _raylet_down
+
+    cfg = load_config(DEMO, TWO)
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+    try:
+        up, down = listening.getsockname()[1], closed.getsockname()[1]
+        assert _raylet_down("127.0.0.1", up) is None and "does not answer" in _raylet_down("127.0.0.1", down)
+
+        def node(i, port, alive=True):
+            return {"NodeID": f"{i:02d}" * 28, "Alive": alive, "NodeManagerAddress": "127.0.0.1",
+                    "NodeManagerPort": port, "Resources": {"CPU": 4.0}}
+
+        pl = object.__new__(ClusterPlacement)
+        pl.layout = node_layout(cfg)
+        picked = pl._pick_nodes([node(1, down), node(2, up), node(3, up, alive=False), node(4, up)])
+        assert [n["NodeID"][:2] for n in picked] == ["02", "04"]
+        with pytest.raises(RuntimeError, match="no alive Ray node left"):
+            pl._pick_nodes([node(1, down), node(2, up)])
+    finally:
+        listening.close()
+        closed.close()

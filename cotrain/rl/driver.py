@@ -367,9 +367,7 @@ class GrpoRun:
         bar = tqdm(range(self.state.step + 1, cfg.grpo.num_steps + 1), initial=self.state.step,
                    total=cfg.grpo.num_steps, desc="GRPO", disable=not cfg.logging.progress_bar, dynamic_ncols=True)
         for step in bar:
-            m = self.step(step)
-            if every_eval and step % every_eval == 0:
-                m.update(self.evaluate())
+            m = self.run_step(step)
             self.state.step = step
             self.state.data = self.stream.state()
             if step % cfg.logging.log_every == 0 or step == cfg.grpo.num_steps:
@@ -378,6 +376,24 @@ class GrpoRun:
                              **({"acc_len": f"{m['spec/acceptance_length']:.2f}"} if "spec/acceptance_length" in m else {})})
             if step % cfg.checkpoint.every == 0 or step == cfg.grpo.num_steps:
                 self.save_checkpoint(step)
+
+    def run_step(self, step: int) -> dict[str, float]:
+        """One step (and its evaluation, when due). Several nodes: the step counts (it is logged and
+        checkpointed) only if every node of the run is still alive at its end - a node that died
+        during the step fails it with a NodeDiedError naming the step, the node and what it held,
+        even when every call had returned (a dead raylet's workers finish what they were doing)."""
+        from cotrain.placement import NodeDiedError
+
+        try:
+            m = self.step(step)
+            every_eval = self.cfg.data.eval.every
+            if every_eval and step % every_eval == 0:
+                m.update(self.evaluate())
+            if self.placement is not None:
+                self.placement.check(f"step {step}", force=True)
+            return m
+        except NodeDiedError as e:
+            raise e.during_step(step) from None
 
     def save_checkpoint(self, step: int) -> None:
         self.ckpt.begin(step)

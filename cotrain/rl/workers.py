@@ -157,6 +157,9 @@ class TrainerGroup(TrainingBackend):
         self._all("load_checkpoint", str(directory))
 
     def shutdown(self) -> None:
+        if self.placement is not None:  # the ranks of a dead node never answer
+            for node in self.placement.dead_nodes(force=True):
+                self.dead.extend(r for r in self.placement.layout.ranks_on(node) if r not in self.dead)
         try:
             # after a rank died the survivors may be stuck in a collective with it: do not wait for them
             if not self.dead:
