@@ -342,7 +342,7 @@ class RolloutConfig(StrictModel):
     """How trained weights reach the engines: shm (CPU bytes in shared memory, one node);
     object_store (shm for the engines on trainer rank 0's node, Ray's object store for the other
     nodes: the bytes cross once per node); cuda_ipc (colocated GPUs); nccl (broadcast group of
-    trainer rank 0 and every engine). auto = cuda_ipc when colocated on cuda, nccl on cuda
+    trainer rank 0 and every engine). auto = on cuda cuda_ipc when colocated on one node, nccl
     otherwise; on cpu shm on one node, object_store on several."""
 
 

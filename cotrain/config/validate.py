@@ -137,7 +137,9 @@ def resolve(cfg: CotrainConfig, arch: ModelArch | None) -> None:
             r.kv_cache_memory_bytes = 256 * 2**20
     multi = c.num_nodes > 1
     if r.weight_transport == "auto":
-        r.weight_transport = ("cuda_ipc" if r.colocate else "nccl") if cuda else ("object_store" if multi else "shm")
+        # several nodes: engines beside other ranks than trainer rank 0 (the sender) cannot map its IPC handles
+        r.weight_transport = ("cuda_ipc" if r.colocate and not multi else "nccl") if cuda else \
+            ("object_store" if multi else "shm")
     if cfg.draft.tap_transport == "auto" and not multi:  # one node: shared memory / IPC
         cfg.draft.tap_transport = "cuda_ipc" if cuda else "shm"
     # several nodes: auto stays, resolved per source stage from the ranks' Ray node ids at start
@@ -324,6 +326,14 @@ def check_rollout(cfg: CotrainConfig) -> list[Issue]:
         issues.append(("rollout.weight_transport", f"{wt} needs cluster.device=cuda (allowed on cpu: shm, auto)"))
     elif wt == "cuda_ipc" and not r.colocate:
         issues.append(("rollout.weight_transport", "cuda_ipc needs rollout.colocate=true (allowed: nccl, auto)"))
+    elif wt == "cuda_ipc" and c.num_nodes > 1:
+        from cotrain.placement import layout_issues
+
+        layout, _ = layout_issues(cfg)
+        away = [e for e, n in enumerate(layout.engine_node) if n != layout.rank_node[0]] if layout else []
+        if away:
+            issues.append(("rollout.weight_transport", f"cuda_ipc works within one node: engine(s) {away} run on "
+                           "another node than trainer rank 0, the sender (allowed: nccl, auto)"))
     if wt == "shm" and c.num_nodes > 1:
         issues.append(("rollout.weight_transport", f"shm works within one node, cluster.num_nodes="
                        f"{c.num_nodes} (allowed: nccl on cuda, object_store, auto)"))
