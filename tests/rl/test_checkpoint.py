@@ -179,10 +179,15 @@ def test_a_rank_failing_before_commit_leaves_no_usable_step(two_checkpoints):
     mgr, _, newest = two_checkpoints
     d = mgr.begin(6)
     atomic_torch_save({"w": torch.zeros(4)}, d / "trainer_rank0000.pt")  # rank 1 died before writing
+    atomic_torch_save({"w": torch.zeros(4)}, d / "trainer_rank0003.pt")  # (this attempt ran on 4 ranks)
     assert mgr.latest() == newest and mgr.resolve(True) == newest and d not in mgr.complete()
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         mgr.resolve(str(d))
     assert verify_checkpoint(d) == [f"{d}: no COMPLETE marker (the checkpoint was never finished)"]
+    # the step written again (now on 2 ranks) starts from an empty directory: nothing of the failed attempt
+    _save(mgr, 6)
+    files = json.loads((d / "MANIFEST.json").read_text())["files"]
+    assert sorted(files) == ["driver.pt", "trainer_rank0000.pt", "trainer_rank0001.pt"]
 
 
 def test_completion_marker_is_written_last_over_verified_files(tmp_path, monkeypatch):

