@@ -89,3 +89,18 @@ def test_cli_prints_a_plan():
     plan = json.loads(proc.stdout)
     assert plan["layout"]["pp"] == 2 and len(plan["stages"]) == 2
     assert plan["stages"][0]["tap_bytes_per_microbatch"] > 0 and plan["stages"][0]["tap_link"] == "intra"
+
+
+def test_the_example_in_docs_multinode_is_what_the_command_prints():
+    """docs/multinode.md's planner example (Qwen3-8B on 2 x 8 GPUs) is the command's current output."""
+    import re
+    import shlex
+
+    doc = (ROOT / "docs/multinode.md").read_text()
+    block = re.search(r"<!-- plan-example.*?-->\s*```\n\$ (.*?)\n(.*?)```\n<!-- end of plan-example -->", doc, re.S)
+    assert block, "the plan-example block of docs/multinode.md"
+    cmd, expected = shlex.split(block.group(1)), block.group(2)
+    assert cmd[:3] == ["python", "-m", "cotrain.plan"]
+    proc = subprocess.run([sys.executable, *cmd[1:]], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == expected, "regenerate the example in docs/multinode.md:\n" + proc.stdout
