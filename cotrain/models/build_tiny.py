@@ -1,6 +1,6 @@
 """Build (once) the built-in policies: tokenizer, Qwen3 checkpoint, supervised warm start.
 
-``python -m cotrain.models.build_tiny [--model tiny|small]`` prints where the checkpoint is and its
+``python -m cotrain.models.build_tiny [--model tiny|small|words]`` prints where the checkpoint is and its
 accuracy on held-out problems. Nothing is downloaded: the tokenizer comes from
 :mod:`cotrain.models.tokenizer`, the architecture and recipe from :mod:`cotrain.models.builtin`
 (``tiny``: :mod:`cotrain.models.tiny`, ``small``: :mod:`cotrain.models.small`), the data from the
@@ -38,7 +38,7 @@ import torch
 
 from cotrain.models.builtin import BuiltinModel, allowed, get_builtin, is_builtin
 from cotrain.models.tiny import BUILTIN_MODEL_PATH, TINY_TASK  # noqa: F401  (BUILTIN_MODEL_PATH: re-exported)
-from cotrain.models.tokenizer import build_tokenizer, build_vocab, tokenizer_for  # noqa: F401
+from cotrain.models.tokenizer import build_vocab, tokenizer_for
 from cotrain.tasks.data import Problem, arithmetic_dataset, arithmetic_problem
 
 BUILD_VERSION = get_builtin("tiny").build_version  # the tiny model's (each built-in model has its own)

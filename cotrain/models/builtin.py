@@ -10,7 +10,7 @@ and resolves the checkpoints. Importing this module imports no torch.
 - ``builtin:small`` (:mod:`cotrain.models.small`): the ``gcd`` task's worked solutions, responses
   of 9-120 tokens (median 30) with a long tail. The speculative-decoding benchmark's policy.
 - ``builtin:words`` (:mod:`cotrain.models.words`): a word-level tokenizer of 8,192 tokens and a copy
-  task over Zipf-distributed words (2.6 M parameters, most of them the embedding and LM head): the
+  task over Zipf-distributed words (1.4 M parameters, most of them the tied embedding / LM head): the
   target of the reduced EAGLE-3 draft vocabulary's tests and benchmark.
 """
 
