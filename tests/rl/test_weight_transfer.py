@@ -12,7 +12,8 @@ The bytes of ``cuda_ipc`` and ``nccl`` pushes are moved by vLLM's weight-transfe
 * clients (``VllmGeneration`` / ``vllm_ext.push_handle``): a push refused before it reaches the
   worker still drains an ``nccl`` broadcast.
 
-The real engines run in test_weight_push_gpu.py (``gpu``).
+The real engines run in test_weight_push_gpu.py (``gpu``). Also here: the CPU ``object_store`` transport
+(several nodes) on a local Ray.
 """
 
 from __future__ import annotations
@@ -384,3 +385,45 @@ def test_pushes_refused_before_the_worker_still_drain_a_broadcast():
     with pytest.raises(WeightPushError, match="could not start"):
         vllm_ext.push_handle(llm, "policy", dict(h, transport="cuda_ipc"), 1)
     assert llm.rpcs == []  # IPC leaves nothing in flight
+
+
+# --------------------------------------------------------------------- object_store (CPU, several nodes)
+def test_object_store_push_is_shm_on_the_senders_node_and_relayed_elsewhere():
+    """``object_store``: an engine on the sender's node reads the sender's /dev/shm file; one on another
+    node (here: a handle whose sender node id is not ours) gets the bytes from Ray's object store into a
+    file of its own, loads exactly the sent tensors, and its cleanup removes that file. The real
+    cross-node fetch runs in tests/rl/test_multinode.py."""
+    import os
+
+    import ray
+
+    from cotrain.rl.weight_transport import ObjectStoreTransport, ShmTransport, localize_handle
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        sent = _weights(2.0)
+        tx = ObjectStoreTransport()
+        handle = tx.send(sent, version=7)
+        assert handle["transport"] == "object_store" and handle["node_id"] == ray.get_runtime_context().get_node_id()
+        local, cleanup = localize_handle(handle)
+        assert local["transport"] == "shm" and local["path"] == handle["path"] and local["relayed"] is False
+        cleanup()
+        assert os.path.exists(handle["path"])  # the sender's file is the sender's to release
+
+        elsewhere = dict(handle, node_id="ff" * 28)
+        relayed, cleanup = localize_handle(elsewhere)
+        assert relayed["relayed"] is True and relayed["path"] != handle["path"] and os.path.exists(relayed["path"])
+        got = ShmTransport().receive(relayed)
+        assert set(got) == set(sent) and all(torch.equal(got[k], sent[k]) for k in sent)
+        cleanup()
+        assert not os.path.exists(relayed["path"])
+        assert all(torch.equal(v, sent[k]) for k, v in tx.receive(elsewhere).items())  # receive() relays too
+        tx.release(handle)
+        assert not os.path.exists(handle["path"]) and not tx._refs
+        with pytest.raises(WeightPushError, match="no object reference"):
+            localize_handle(dict(elsewhere, object=[]))
+    finally:
+        if started:
+            ray.shutdown()
