@@ -183,3 +183,39 @@ def test_each_exported_tensor_is_the_parameter_it_names(target, tmp_path, kind):
     mine = _by_hand(fresh, kind)
     for name, param in want.items():
         assert torch.equal(mine[name].detach(), param.detach()), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_export_loads_into_vllms_own_class_by_role(target, tiny_model_path, tmp_path, kind):
+    """vLLM's own model class (Eagle3LlamaForCausalLM / DFlashQwen3ForCausalLM) loads our export
+    with its load_weights, as when it serves the drafter; each of its parameters, by role, is ours
+    (q/k/v and gate/up stacked as vLLM stacks them). A norm put under another norm's name lands in
+    the wrong module here, which greedy serving tests do not see."""
+    d = build_drafter(kind, SETTINGS[kind], target, seed=1)
+    with torch.no_grad():
+        for i, p in enumerate(d.parameters()):
+            p.copy_(torch.randn_like(p) + i)
+    out = export_drafter(d, tmp_path / kind)
+    helper = Path(__file__).with_name("_vllm_load_params.py")
+    res = subprocess.run([sys.executable, str(helper), kind, str(out), str(tiny_model_path), str(tmp_path / "p.pt")],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    theirs = torch.load(tmp_path / "p.pt")
+    L = d.layers[0]
+    at, mlp = L.self_attn, L.mlp
+    want = {"model.layers.0.self_attn.qkv_proj.weight": torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]),
+            "model.layers.0.self_attn.o_proj.weight": at.o_proj.weight,
+            "model.layers.0.mlp.gate_up_proj.weight": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+            "model.layers.0.mlp.down_proj.weight": mlp.down_proj.weight,
+            "model.layers.0.input_layernorm.weight": L.input_layernorm.weight,
+            "model.layers.0.post_attention_layernorm.weight": L.post_attention_layernorm.weight,
+            "model.fc.weight": d.fc.weight, "model.norm.weight": d.norm.weight}
+    if kind == "eagle3":
+        want.update({"model.layers.0.hidden_norm.weight": L.hidden_norm.weight, "lm_head.weight": d.lm_head.weight})
+    else:
+        want.update({"model.hidden_norm.weight": d.hidden_norm.weight,
+                     "model.layers.0.self_attn.q_norm.weight": at.q_norm.weight,
+                     "model.layers.0.self_attn.k_norm.weight": at.k_norm.weight})
+    for name, w in want.items():
+        assert torch.equal(theirs[name], w.detach().float()), name

@@ -117,3 +117,14 @@ def test_channel_zero_copy_read_keeps_the_slot_until_release():
             tr.mb.wait_free(0, 1, time.monotonic() + 0.05)
     assert tr.log[-1] == ("release", 0)
     ch.end_step()
+
+
+def test_a_writer_skipping_a_single_microbatch_fails_at_its_claim():
+    mb = make_mailbox(slots=4)
+    mb.claim(0, 0)
+    mb.put(0, 0, rows(0, 1))
+    with pytest.raises(TapLappedError, match="skipped 1") as e:
+        mb.claim(0, 2)  # microbatch 1 never written
+    assert (e.value.expected, e.value.seen) == (2, 3)
+    with pytest.raises(TapLappedError, match="never wrote this microbatch"):
+        mb.wait_stamp(0, 1, time.monotonic() + 30)
