@@ -189,7 +189,10 @@ MUTANTS: list[Mutant] = [
       "torch.sigmoid(block_lse - lse)", "torch.sigmoid(lse - block_lse)",
       ["tests/parallel/test_layout_zigzag.py"], "the LSE merge weighs the wrong side"),
     M("parallel.lse_empty_nan", "cotrain/parallel/lse.py",
-      "nan=0.0)", "nan=1.0)", ["tests/parallel/test_layout_zigzag.py"], "two empty sides merge into garbage"),
+      "nan=0.0)", "nan=1.0)", ["tests/parallel/test_layout_zigzag.py"], "two empty sides merge into garbage",
+      equivalent="both sides empty (lse -inf) means both outputs are the zeros every producer writes for rows that "
+                 "see nothing (the running output starts at zeros, the kernels and the oracle write 0), so taking "
+                 "the block's output or keeping the running one gives the same zeros"),
     M("parallel.zigzag_mirror_chunk", "cotrain/parallel/zigzag.py",
       "for i in (rank, 2 * cp_size - 1 - rank):", "for i in (rank, 2 * cp_size - 2 - rank):",
       ["tests/parallel/test_layout_zigzag.py"], "zigzag pairs chunk r with 2C-2-r"),

@@ -241,3 +241,19 @@ def test_target_probs_are_detached_tempered_softmax_of_the_rows():
     want = torch.stack([torch.exp(2 * logits[4]) / torch.exp(2 * logits[4]).sum(),
                         torch.exp(2 * logits[0]) / torch.exp(2 * logits[0]).sum()]).detach()[None]
     torch.testing.assert_close(p, want, atol=1e-6, rtol=1e-6)
+
+
+def test_dspark_confidence_label_is_detached():
+    """With c != 0 the BCE's derivative in its label is -c: a label left in the graph would push the
+    drafter's logits. The logits' gradient is that of CE + L1 alone, whatever the confidence head says."""
+    p = torch.tensor(P)
+    conf = torch.tensor([[1.0, -2.0]], requires_grad=True)
+    out = chains(Z, confidence=conf)
+    loss, _ = dspark_l1(out.logits, p, out.valid, confidence=out.confidence, l1_weight=2.0, confidence_weight=1.0)
+    loss.backward()
+    ref = chains(Z)
+    dspark_l1(ref.logits, p, ref.valid, l1_weight=2.0)[0].backward()
+    torch.testing.assert_close(out.logits.grad, ref.logits.grad, atol=1e-7, rtol=0)
+    # the head chases the label 1 - L1/2: d BCE / dc = (sigmoid(c) - label) / 2 positions
+    label = torch.tensor([1 - L1[0] / 2, 1 - L1[1] / 2])
+    torch.testing.assert_close(conf.grad[0], (torch.sigmoid(conf.detach()[0]) - label) / 2, atol=1e-6, rtol=0)
