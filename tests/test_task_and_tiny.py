@@ -123,6 +123,16 @@ def test_prompt_stream_resumes_exactly():
     assert b.take(25) == expected
     epoch0 = PromptStream(probs, seed=5).take(10)
     assert sorted(p.prompt for p in epoch0) == sorted(p.prompt for p in probs)  # a permutation per epoch
+    # resumed in a later epoch: that epoch's order, not the first one's
+    c = PromptStream(probs, seed=5)
+    c.take(13)
+    state = c.state()
+    assert state == {"epoch": 1, "pos": 3}
+    expected = c.take(12)
+    d = PromptStream(probs, seed=5)
+    d.load_state(state)
+    assert d.take(12) == expected
+    assert [p.prompt for p in PromptStream(probs, seed=5).take(20)[10:]] != [p.prompt for p in epoch0]  # reshuffled
 
 
 def test_tiny_model_is_partly_right(tiny_model_path):
