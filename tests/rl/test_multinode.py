@@ -1,10 +1,11 @@
-"""Multi-node on one machine: Ray's own test harness (`ray.cluster_utils.Cluster`) starts two raylets on
-127.0.0.1, each its own Ray node with its own resources, and the demo runs across them.
+"""Multi-node on one machine: Ray's own test harness (`ray.cluster_utils.Cluster`) starts several raylets
+on 127.0.0.1, each its own Ray node with its own resources, and the demo runs across two of them.
 
 The run: configs/demo.yaml (GRPO with a co-trained DFlash drafter serving the rollouts) at PP=2 with one
 pipeline stage and one engine per node (`cluster.num_nodes=2`), drafter from scratch, 3 small steps with
 a checkpoint after step 2. One Ray cluster serves the whole module: the reference (the same run on one
-node) runs on its head node alone, then the second node joins for the two-node run. Checked:
+node) runs on its head node alone; then two nodes join, the two-node run takes the head and one of them,
+the other is a spare. Checked:
 
 - every rank and engine runs on the node the placement gives it (Ray node ids reported by the actors);
 - the tap from stage 0 (the other node) reaches the drafter through gloo, stage 1's own tap stays local;
@@ -13,11 +14,12 @@ node) runs on its head node alone, then the second node joins for the two-node r
 - rewards, losses and draft metrics are bit-identical to those of the one-node run (same seeds);
 - killing node 1's raylet during step 3 fails the step within seconds with an error naming the step, the
   node and the rank and engine it held; step 3 is neither logged nor checkpointed;
-- `--resume` (the same `GrpoRun.setup(resume=True)` that `launch/grpo.py --resume` calls) on the cluster
-  with the dead node replaced by a fresh one (new raylet, new node id; every actor of the run new) runs
-  step 3 exactly as the one-node run did.
+- `--resume` (the same `GrpoRun.setup(resume=True)` that `launch/grpo.py --resume` calls) right after the
+  death - the dead node still in the cluster, Ray's GCS still reporting it alive for ~15 s - places the
+  run on the head and the spare (every actor new) and runs step 3 exactly as the one-node run did.
 
-About 2 minutes on 2 cores, most of it the three runs' start-up (trainers and engines); a step is < 1 s.
+About 2.5 minutes on 2 cores, nearly all of it the three runs' start-up (trainers, engines) and the nodes';
+a step takes < 1 s. `pytest -s` prints the phases' times.
 """
 
 from __future__ import annotations
@@ -70,8 +72,8 @@ def cluster():
     """The module's Ray cluster (`ray.cluster_utils.Cluster`): a head node of 4 CPUs, its raylet on
     127.0.0.1 with its own temp dir and free ports where Ray would otherwise take fixed ones; the test
     process is the driver, on the head. The one-node reference runs on the head alone, then
-    ``add_node()`` adds the second node (2 CPUs) and ``replace_node()`` swaps a dead one for a fresh one.
-    Yields ``{"cluster", "head", "other", "add_node", "replace_node"}``."""
+    ``add_nodes(2)`` adds two nodes of 2 CPUs: the two-node run takes one of them, the other is the
+    spare its resume moves to once the first is dead. Yields ``{"cluster", "head", "nodes", "add_nodes"}``.""" 
     import ray
     from ray.cluster_utils import Cluster
 
@@ -85,18 +87,17 @@ def cluster():
     c = Cluster(initialize_head=True, shutdown_at_exit=True,
                 head_node_args=dict(node_args, num_cpus=4, include_dashboard=False,
                                     dashboard_agent_listen_port=free_ports(1)[0]))
-    state = {"cluster": c, "head": c.head_node, "other": None}
+    state = {"cluster": c, "head": c.head_node, "nodes": {}}
 
-    def add_node():
-        state["other"] = c.add_node(**node_args, dashboard_agent_listen_port=free_ports(1)[0])
+    def add_nodes(n: int) -> dict:
+        """``n`` more nodes of 2 CPUs, started together; returns {node id: node} of all added so far."""
+        for _ in range(n):
+            node = c.add_node(wait=False, **node_args, dashboard_agent_listen_port=free_ports(1)[0])
+            state["nodes"][node.node_id] = node
         c.wait_for_nodes()
-        return state["other"]
+        return state["nodes"]
 
-    def replace_node():
-        c.remove_node(state["other"], allow_graceful=False)  # what is left of it (its agents)
-        return add_node()
-
-    state.update(add_node=add_node, replace_node=replace_node)
+    state["add_nodes"] = add_nodes
     try:
         ray.init(address=c.address, _node_ip_address="127.0.0.1", log_to_driver=False)
         yield state
@@ -115,32 +116,41 @@ def one_node(tmp_path_factory, tiny_model_path, cluster):
     """The reference: the same run on one node (the head alone, 4 CPUs, no placement group), 3 steps."""
     from cotrain.rl.driver import GrpoRun
 
-    assert cluster["other"] is None  # before the second node joins
+    assert not cluster["nodes"]  # before the other nodes join
     out = tmp_path_factory.mktemp("one_node")
     run = GrpoRun(_config(out, *ONE_NODE))
+    t0 = time.monotonic()
     try:
         run.setup(False)
         nodes = {*run.trainer.node_ids, *run.rollout.node_ids}
+        t1 = time.monotonic()
         run.train()
     finally:
         run.shutdown()
+    print(f"one node: setup {t1 - t0:.1f} s, 3 steps {time.monotonic() - t1:.1f} s (with shutdown)")
     return {"out": out, "nodes": nodes}
 
 
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory, cluster, one_node):
-    """The second node joins; steps 1-2 on two nodes (checkpoint after step 2); then node 1's raylet
-    killed during step 3, after its rollouts and before the update."""
+    """Two more nodes join (the run takes the head and one of them, the other is a spare); steps 1-2 on
+    two nodes (checkpoint after step 2); then node 1's raylet killed during step 3, after its rollouts
+    and before the update."""
     from cotrain.placement import NodeDiedError
     from cotrain.rl.driver import GrpoRun
 
-    other = cluster["add_node"]()
+    nodes = cluster["add_nodes"](2)
     out = tmp_path_factory.mktemp("two_nodes")
-    seen: dict = {"out": out, "head": cluster["head"].node_id, "other": other.node_id}
+    seen: dict = {"out": out, "head": cluster["head"].node_id}
     cfg = _config(out, *TWO_NODES)
     run = GrpoRun(cfg)
+    t0 = time.monotonic()
     try:
         run.setup(False)
+        seen["setup_s"] = time.monotonic() - t0
+        seen["other"] = run.placement.node_ids[1]
+        other = nodes[seen["other"]]
+        (seen["spare"],) = set(nodes) - {seen["other"]}
         seen.update(placement=list(run.placement.node_ids), trainers=list(run.trainer.node_ids),
                     engines=list(run.rollout.node_ids))
         cfg.grpo.num_steps = 2  # the loop stops after step 2 (the workers were built for 3 steps)
@@ -165,22 +175,28 @@ def two_nodes(tmp_path_factory, cluster, one_node):
     seen["metrics"] = metrics(out)  # before the resume adds step 3
     seen["latest"] = (out / "checkpoints" / "latest").read_text()
     seen["checkpoints"] = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
-    print(f"two nodes: failed {seen['error_s']:.2f} s after the kill, shut down in {seen['shutdown_s']:.2f} s: "
+    print(f"two nodes: setup {seen['setup_s']:.1f} s; failed {seen['error_s']:.2f} s after the kill, shut down in {seen['shutdown_s']:.2f} s: "
           f"{seen['error']}")
     return seen
 
 
 @pytest.fixture(scope="module")
 def resumed(cluster, two_nodes):
-    """The dead node removed from the cluster and a fresh one added (new raylet, new node id), then the
-    run resumed from its checkpoint there, as `launch/grpo.py --resume` does."""
+    """The run resumed from its checkpoint (`GrpoRun.setup(resume=True)`, what `launch/grpo.py --resume`
+    calls) right after node 1 died: the dead node is still in the cluster (and Ray's GCS still reports it
+    alive for ~15 s after the kill), the spare node takes its place."""
+    import ray
+
     from cotrain.rl.driver import GrpoRun
 
-    fresh = cluster["replace_node"]()
+    dead = two_nodes["other"]
+    ray_says_alive = any(n["NodeID"] == dead and n["Alive"] for n in ray.nodes())
     run = GrpoRun(_config(two_nodes["out"], *TWO_NODES))
+    t0 = time.monotonic()
     try:
         run.setup(True)
-        seen = {"fresh": fresh.node_id, "placement": list(run.placement.node_ids), "step": run.state.step,
+        print(f"resume: setup {time.monotonic() - t0:.1f} s (Ray still reported the dead node alive: {ray_says_alive})")
+        seen = {"placement": list(run.placement.node_ids), "step": run.state.step,
                 "trainers": list(run.trainer.node_ids), "engines": list(run.rollout.node_ids)}
         run.train()
     finally:
@@ -195,10 +211,10 @@ def test_ranks_and_engines_run_where_the_placement_says(one_node, two_nodes, res
     assert s["placement"] == [s["head"], s["other"]]  # node 0 = the driver's node
     assert s["trainers"] == [s["head"], s["other"]]  # stage 0 on node 0, stage 1 (and the drafter) on node 1
     assert s["engines"] == [s["head"], s["other"]]
-    # after the node died: the fresh node takes its place, never the dead one
+    # after node 1 died: the spare takes its place, never the dead one
     r = resumed
-    assert r["fresh"] not in (s["head"], s["other"])
-    assert r["placement"] == r["trainers"] == r["engines"] == [s["head"], r["fresh"]]
+    assert s["spare"] not in (s["head"], s["other"])
+    assert r["placement"] == r["trainers"] == r["engines"] == [s["head"], s["spare"]]
 
 
 def test_taps_and_weights_take_the_link_of_their_nodes(one_node, two_nodes):
@@ -238,7 +254,7 @@ def test_a_dead_node_fails_the_step_naming_it(two_nodes):
     assert s["latest"] == "step_000002" and s["checkpoints"] == ["step_000002"]  # step 3 not checkpointed
 
 
-def test_resume_on_a_fresh_node_continues_exactly(one_node, two_nodes, resumed):
+def test_resume_on_the_spare_node_continues_exactly(one_node, two_nodes, resumed):
     assert resumed["step"] == 2  # from step_000002
     one, two = metrics(one_node["out"]), metrics(two_nodes["out"])
     assert sorted(two) == [1, 2, 3]
