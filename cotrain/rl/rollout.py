@@ -414,8 +414,6 @@ class RolloutGroup(GenerationBackend):
 
     # -- generation
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingSpec, n: int = 1) -> GenerationResult:
-        import ray
-
         prompts = list(prompts)
         t0 = time.perf_counter()
         chunks = [(a, lo, hi) for a, (lo, hi) in zip(self.actors, split_evenly(len(prompts), self.num_engines))
@@ -506,9 +504,7 @@ class RolloutGroup(GenerationBackend):
         return {"push_s": time.perf_counter() - t0, "engine_push_s_max": max(s["push_s"] for s in stats)}
 
     def weight_version(self) -> int:
-        import ray
-
-        versions = ray.get([a.weight_version.remote() for a in self.actors])
+        versions = self._get([a.weight_version.remote() for a in self.actors], "the weight-version query")
         if len(set(versions)) != 1:
             raise RuntimeError(f"rollout engines serve different weight versions: {versions}")
         return versions[0]
@@ -534,9 +530,7 @@ class RolloutGroup(GenerationBackend):
                 for e, a in enumerate(self.actors)]
 
     def status(self) -> list[dict[str, Any]]:
-        import ray
-
-        return ray.get([a.status.remote() for a in self.actors])
+        return self._get([a.status.remote() for a in self.actors], "the engine status query")
 
     def shutdown(self) -> None:
         import ray
