@@ -147,3 +147,17 @@ def test_gpu_weight_pushes_across_nodes_use_nccl():
     one = ["cluster.gpus_per_node=8", "cluster.cpus_per_node=96", "cluster.device=cuda", "draft.init=null",
            "rollout.colocate=true"]
     assert load_config(DEMO, one).rollout.weight_transport == "cuda_ipc"  # one node: as before
+
+
+def test_validate_only_refuses_a_group_that_would_straddle():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "launch/grpo.py", "--config", DEMO, "cluster.num_nodes=2",
+                           "cluster.cpus_per_node=3", "policy.parallel.tensor=2", "policy.parallel.context=2",
+                           "rollout.num_engines=2", "--validate-only"], cwd=root, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "the TP group of ranks 2, 3 would straddle nodes 0, 1" in proc.stdout + proc.stderr

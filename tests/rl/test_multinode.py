@@ -18,7 +18,7 @@ the other is a spare. Checked:
   death - the dead node still in the cluster, Ray's GCS still reporting it alive for ~15 s - places the
   run on the head and the spare (every actor new) and runs step 3 exactly as the one-node run did.
 
-About 2.5 minutes on 2 cores, nearly all of it the three runs' start-up (trainers, engines) and the nodes';
+2-3 minutes on 2 cores, nearly all of it the three runs' start-up (trainers, engines) and the nodes';
 a step takes < 1 s. `pytest -s` prints the phases' times.
 """
 
