@@ -358,7 +358,7 @@ def main(argv=None) -> int:
     rate = (counts["killed"] + counts["timeout"]) / scored if scored else None
     summary = {"mutants": len(results), **counts, "kill_rate": rate,
                "survivors": [r["id"] for r in results if r["status"] == "survived"],
-               "equivalent": {r["id"]: r["equivalent"] for r in results if r["status"] == "equivalent"},
+               "equivalent_reasons": {r["id"]: r["equivalent"] for r in results if r["status"] == "equivalent"},
                "not_scored": [r["id"] for r in results if r["status"] in ("stale", "error")],
                "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                         text=True).stdout.strip(),
@@ -374,6 +374,8 @@ def main(argv=None) -> int:
     for r in results:
         if r["status"] in ("survived", "stale", "error"):
             print(f"  {r['status']:9s} {r['id']}: {r['why']}")
+        elif r["status"] == "equivalent":
+            print(f"  equivalent {r['id']}: {r['equivalent']}")
     print(f"JSON: {out}")
     return 0 if not summary["survivors"] and not summary["not_scored"] else 1
 
