@@ -68,8 +68,11 @@ def test_cotrained_drafter_learns_and_serves_every_step(run_a):
         for key in DRAFT_KEYS:
             assert key in step, key
         assert step["draft/push_ok"] == 1.0
-        assert 1.0 <= step["spec/acceptance_length"] <= 1 + 3  # measured by vLLM with the pushed drafter
         assert step["tap/bytes"] > 0
+    # measured by vLLM with the pushed drafter; baseline (2 cores): 1.09, 1.07, 2.11 (offline estimate
+    # 1.13, 1.14, 1.38): from scratch it accepts almost nothing, two updates later the engines serve what
+    # it learned
+    assert m[1]["spec/acceptance_length"] < 1.5 and m[3]["spec/acceptance_length"] > 1.4
     assert m[3]["draft/loss"] < 0.8 * m[1]["draft/loss"]  # a from-scratch drafter learns within the run
     assert m[3]["spec/acceptance_length"] > m[1]["spec/acceptance_length"]  # ... and the engines serve it
 
