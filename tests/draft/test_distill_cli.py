@@ -15,31 +15,35 @@ REPO = Path(__file__).resolve().parents[2]
 DISTILL_CONFIGS = sorted((REPO / "configs").glob("distill_*.yaml"))
 
 
-def _small_target(tmp_path):
-    """A TargetSpec of builtin:small's architecture (random weights: building the real one takes minutes)."""
+def _random_target(tmp_path, name="small"):
+    """A TargetSpec of a built-in model's architecture and tokenizer (random weights: building the
+    real one takes minutes)."""
     from cotrain.draft.taps import TargetSpec
     from cotrain.models.build_tiny import make_model
-    from cotrain.models.tokenizer import build_tokenizer
+    from cotrain.models.builtin import get_builtin
+    from cotrain.models.tokenizer import tokenizer_for
 
-    tok = build_tokenizer()
-    make_model(tok, 0, "small").save_pretrained(str(tmp_path / "small"))
-    tok.save_pretrained(str(tmp_path / "small"))
-    return TargetSpec.from_checkpoint(tmp_path / "small")
+    tok = tokenizer_for(get_builtin(name).tokenizer)
+    make_model(tok, 0, name).save_pretrained(str(tmp_path / name))
+    tok.save_pretrained(str(tmp_path / name))
+    return TargetSpec.from_checkpoint(tmp_path / name)
 
 
 def test_shipped_distill_configs(target, tmp_path):
     from cotrain.draft.registry import build_drafter
 
     assert {p.stem for p in DISTILL_CONFIGS} >= {"distill_eagle3", "distill_dflash", "distill_dspark",
-                                                 "distill_small_dflash", "distill_small_eagle3"}
-    small = None
+                                                 "distill_small_dflash", "distill_small_eagle3",
+                                                 "distill_words_eagle3"}
+    others = {}  # builtin name -> a random-weight target of its architecture
     for path in DISTILL_CONFIGS:
         cfg = load_distill_config(path)
-        prefix = "distill_small_" if cfg.target == "builtin:small" else "distill_"
+        name = cfg.target.removeprefix("builtin:")
+        prefix = "distill_" if name == "tiny" else f"distill_{name}_"
         assert path.stem == f"{prefix}{cfg.draft.kind}"
-        if cfg.target == "builtin:small":
-            small = small or _small_target(tmp_path)
-        d = build_drafter(cfg.draft.kind, cfg.draft.settings, small if cfg.target == "builtin:small" else target)
+        if name != "tiny" and name not in others:
+            others[name] = _random_target(tmp_path, name)
+        d = build_drafter(cfg.draft.kind, cfg.draft.settings, others.get(name, target))
         assert 3 <= (cfg.train.num_speculative_tokens or d.default_num_speculative_tokens()) <= 7
         assert cfg.data.tail_tokens >= d.draft_width  # the acceptance walk can see drafts past EOS
 
