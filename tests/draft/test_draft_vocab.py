@@ -12,7 +12,7 @@ from cotrain.config.schema import DraftConfig, Eagle3Config
 from cotrain.draft.acceptance import estimate_acceptance, greedy_matches
 from cotrain.draft.common import DraftBatch, DraftOutput
 from cotrain.draft.losses import draft_loss
-from cotrain.draft.registry import DraftConfigError, build_drafter
+from cotrain.draft.registry import build_drafter
 from cotrain.draft.vocab import DraftVocab, token_counts
 
 
