@@ -1,0 +1,53 @@
+"""Shared setup of the SpecOPD tests, and the rank function of its CP = 2 test."""
+
+import torch
+
+from cotrain.draft.common import DraftBatch
+from cotrain.draft.registry import build_drafter
+from cotrain.draft.taps import TargetSpec, compute_taps, load_hf_target
+from cotrain.parallel import zigzag_shard
+
+SETTINGS = {"dflash": {"block_size": 4, "anchors_per_seq": 3}, "dspark": {"block_size": 3, "anchors_per_seq": 3}}
+LENS = (13, 6, 21)
+PROMPT = 2
+
+
+def make_drafter(kind, target, seed=3):
+    d = build_drafter(kind, SETTINGS[kind], target, seed=seed).eval()
+    if kind == "dspark":  # a Markov head that matters: drafts depend on the previous draft
+        with torch.no_grad():
+            d.markov_head.markov_w2.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(seed))
+    return d
+
+
+def make_batch(model, drafter, lens=LENS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 100, (sum(lens),), generator=g)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(torch.tensor(lens), 0)])
+    taps, logits = compute_taps(model, ids, cu, drafter.tap_layers)
+    pos = torch.cat([torch.arange(n) for n in lens])
+    return DraftBatch(ids, cu, taps, pos >= PROMPT, logits, torch.full((len(lens),), PROMPT))
+
+
+def rank_fn(rank, world, target_path):
+    """Each family at CP = 2: seeded (balanced) anchors, this rank's branches sampled with a
+    rank-specific generator, one tree forward of the target over this rank's stem shard + branches."""
+    from cotrain.draft import specopd
+
+    torch.manual_seed(0)
+    target = TargetSpec.from_checkpoint(target_path)
+    model = load_hf_target(target_path)
+    out = {}
+    for kind in SETTINGS:
+        d = make_drafter(kind, target)
+        full = make_batch(model, d)
+        layout = d.build_layout(full, torch.Generator().manual_seed(11), cp_size=world)
+        batch = DraftBatch(full.input_ids, full.cu_seqlens, zigzag_shard(full.taps, layout, rank), full.loss_mask,
+                           None, full.response_start)
+        br = specopd.sample_branches(d, batch, layout, torch.Generator().manual_seed(100 + rank))
+        with torch.no_grad():
+            sc = specopd.tree_target_logits(model, full.input_ids, full.cu_seqlens, br)
+        out[kind] = {"anchors": br.anchors, "tokens": br.tokens, "draft_logits": br.logits.detach(),
+                     "stem_index": sc.stem_index, "stem_logits": sc.stem_logits, "branch_logits": sc.branch_logits,
+                     "layout_anchors": layout.anchors}
+    return out
