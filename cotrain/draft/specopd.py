@@ -298,13 +298,15 @@ def specopd_loss(branches: Branches, p: torch.Tensor, loss: str = "e2e_tv",
 
 def specopd_step(drafter, target_model, batch: DraftBatch, generator: Optional[torch.Generator] = None,
                  temperature: float = 1.0, loss: str = "e2e_tv", group=None, cp_size: int = 1,
-                 layout: Optional[BranchLayout] = None) -> tuple[torch.Tensor, dict, Branches]:
+                 layout: Optional[BranchLayout] = None, eos_token_id: Optional[int] = None
+                 ) -> tuple[torch.Tensor, dict, Branches]:
     """One SpecOPD loss evaluation: seeded anchors, on-policy branches, one tree forward of the
-    target, E2E-TV. Returns (loss, metrics, branches); the caller runs backward and the optimizer."""
+    target, E2E-TV. Returns (loss, metrics, branches); the caller runs backward and the optimizer.
+    Under CP (``cp_size`` > 1, ``group``) ``batch.taps`` is this rank's zigzag shard and the loss
+    is this rank's mean: callers weight it by ``metrics["weight"]`` across ranks."""
     if layout is None:
         layout = drafter.build_layout(batch, generator, cp_size=cp_size)
-    br = sample_branches(drafter, batch, layout, generator, temperature, group,
-                         eos_token_id=getattr(drafter, "eos_token_id", None))
+    br = sample_branches(drafter, batch, layout, generator, temperature, group, eos_token_id=eos_token_id)
     with torch.no_grad():
         scores = tree_target_logits(target_model, batch.input_ids, batch.cu_seqlens, br, group)
     p = branch_target_probs(scores, br)
