@@ -109,4 +109,7 @@ def load_distill_config(path: Optional[str | Path] = None, overrides: list[str] 
     if loss not in cfg.draft.settings.allowed_losses:
         raise ValueError(f"draft.loss: {loss!r} is not allowed for kind {cfg.draft.kind!r} "
                          f"(allowed: {', '.join(cfg.draft.settings.allowed_losses)})")
+    if cfg.draft.branches == "on_policy" and cfg.draft.kind not in ("dflash", "dspark"):
+        raise ValueError(f"draft.branches: on_policy needs a block drafter (allowed kinds: dflash, dspark), "
+                         f"not {cfg.draft.kind!r}")
     return cfg

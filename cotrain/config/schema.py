@@ -609,6 +609,11 @@ class DraftConfig(StrictModel):
     """Drafter loss: soft_ce / forward_kl against the detached policy distribution, hard_ce on
     the sampled tokens, dspark_l1 (DSpark only: CE + L1 of probabilities), e2e_tv (prefix
     acceptance surrogate). null = the kind's default (dspark_l1 for dspark, else soft_ce)."""
+    branches: Literal["teacher_forced", "on_policy"] = "teacher_forced"
+    """Where the supervised draft tokens come from: teacher_forced = chains on the reference
+    (rollout / distillation) tokens; on_policy = SpecOPD branches the drafter samples itself from
+    random anchors, scored by the target in one tree-masked forward (cotrain.draft.specopd; dflash
+    and dspark, offline distillation only so far)."""
     optimizer: OptimizerConfig = Field(default_factory=lambda: OptimizerConfig(lr=1e-4))
     """Drafter optimizer (its own AdamW, LR schedule over grpo.num_steps and gradient clipping,
     outside the policy's)."""

@@ -459,6 +459,9 @@ def check_draft(cfg: CotrainConfig, arch: ModelArch | None) -> list[Issue]:
     if d.loss is not None and d.loss not in kcls.allowed_losses:
         issues.append(("draft.loss", f"{d.loss} is not available for draft.kind={d.kind} (allowed: "
                        f"{', '.join(kcls.allowed_losses)})"))
+    if d.branches == "on_policy":
+        issues.append(("draft.branches", "on_policy is not yet available in online co-training (allowed: "
+                       "teacher_forced; on_policy runs in the offline distillation, python -m cotrain.draft.distill)"))
     if arch is not None:
         issues += [(f"draft.{d.kind}.{path}", msg) for path, msg in kind.check(arch.num_hidden_layers)]
         if arch.vocab_size is not None:
