@@ -140,13 +140,23 @@ def records_to_batch(records: list[Record], model, tap_layers: list[int]) -> Dra
 
 # ------------------------------------------------------------------------------------------ train
 def train_step(drafter: Drafter, batch: DraftBatch, loss_name: str, optimizer: torch.optim.Optimizer,
-               clip: float, generator: torch.Generator, extra: Optional[dict] = None) -> dict:
-    """One optimizer step on ``batch``; returns metrics (loss, overlap, top1_match, grad_norm)."""
-    layout = drafter.build_layout(batch, generator)
-    out = drafter(batch, layout)
-    p = target_probs(batch.target_logits, out)
-    labels = batch.input_ids[(out.target_rows + 1).clamp(min=0, max=batch.num_tokens - 1)]
-    loss, metrics = draft_loss(loss_name, out, p, labels=labels, vocab=getattr(drafter, "vocab", None), **(extra or {}))
+               clip: float, generator: torch.Generator, extra: Optional[dict] = None,
+               branches: str = "teacher_forced", target_model=None, eos_token_id: Optional[int] = None) -> dict:
+    """One optimizer step on ``batch``; returns metrics (loss, overlap, top1_match, grad_norm).
+    ``branches="on_policy"``: SpecOPD (cotrain.draft.specopd) - branches the drafter samples at the
+    seeded anchors, scored by ``target_model`` (the HF target) in one tree-masked forward."""
+    if branches == "on_policy":
+        from cotrain.draft.specopd import specopd_step
+
+        loss, metrics, _ = specopd_step(drafter, target_model, batch, generator, loss=loss_name,
+                                        eos_token_id=eos_token_id, extra=extra)
+    else:
+        layout = drafter.build_layout(batch, generator)
+        out = drafter(batch, layout)
+        p = target_probs(batch.target_logits, out)
+        labels = batch.input_ids[(out.target_rows + 1).clamp(min=0, max=batch.num_tokens - 1)]
+        loss, metrics = draft_loss(loss_name, out, p, labels=labels, vocab=getattr(drafter, "vocab", None),
+                                   **(extra or {}))
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     params = [q for q in drafter.parameters() if q.grad is not None]
@@ -166,7 +176,7 @@ def loss_extra(cfg: DistillConfig) -> dict:
 
 
 def train_drafter(drafter: Drafter, train: DraftBatch, evals: DraftBatch, cfg: DistillConfig,
-                  eos_token_id: Optional[int]) -> dict:
+                  eos_token_id: Optional[int], target_model=None) -> dict:
     """The training loop; returns the history (train metrics per step, evaluations)."""
     from tqdm import tqdm
 
@@ -197,7 +207,8 @@ def train_drafter(drafter: Drafter, train: DraftBatch, evals: DraftBatch, cfg: D
         seqs = torch.randint(0, train.num_seqs, (cfg.train.batch_size,), generator=gen)
         batch = select_sequences(train, seqs)
         t0 = time.perf_counter()
-        m = train_step(drafter, batch, loss_name, optimizer, opt_cfg.clip_grad, gen, extra)
+        m = train_step(drafter, batch, loss_name, optimizer, opt_cfg.clip_grad, gen, extra,
+                       cfg.draft.branches, target_model, eos_token_id)
         history["step"].append(step + 1)
         history["step_s"].append(time.perf_counter() - t0)
         history["lr"].append(lr)
@@ -299,7 +310,7 @@ def _distill(cfg: DistillConfig) -> dict:
     train, evals = prepare_data(cfg, model, tokenizer, drafter.tap_layers)
     t_data = time.time() - t0
     vocab_info = build_draft_vocab(drafter, train, evals)
-    history = train_drafter(drafter, train, evals, cfg, target.eos_token_id)
+    history = train_drafter(drafter, train, evals, cfg, target.eos_token_id, model)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = {
