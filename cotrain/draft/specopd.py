@@ -290,16 +290,17 @@ def branch_chains(branches: Branches, loss_gamma: Optional[float] = None) -> Dra
 
 
 def specopd_loss(branches: Branches, p: torch.Tensor, loss: str = "e2e_tv",
-                 loss_gamma: Optional[float] = None) -> tuple[torch.Tensor, dict]:
+                 loss_gamma: Optional[float] = None, **extra) -> tuple[torch.Tensor, dict]:
     """The drafter loss (default E2E-TV) on the on-policy branches against the fixed target
-    distributions ``p`` (NB, W, V) from :func:`branch_target_probs`."""
-    return draft_loss(loss, branch_chains(branches, loss_gamma), p, labels=branches.tokens)
+    distributions ``p`` (NB, W, V) from :func:`branch_target_probs`. ``extra``: draft_loss's
+    keyword arguments (dspark_l1's weights)."""
+    return draft_loss(loss, branch_chains(branches, loss_gamma), p, labels=branches.tokens, **extra)
 
 
 def specopd_step(drafter, target_model, batch: DraftBatch, generator: Optional[torch.Generator] = None,
                  temperature: float = 1.0, loss: str = "e2e_tv", group=None, cp_size: int = 1,
-                 layout: Optional[BranchLayout] = None, eos_token_id: Optional[int] = None
-                 ) -> tuple[torch.Tensor, dict, Branches]:
+                 layout: Optional[BranchLayout] = None, eos_token_id: Optional[int] = None,
+                 extra: Optional[dict] = None) -> tuple[torch.Tensor, dict, Branches]:
     """One SpecOPD loss evaluation: seeded anchors, on-policy branches, one tree forward of the
     target, E2E-TV. Returns (loss, metrics, branches); the caller runs backward and the optimizer.
     Under CP (``cp_size`` > 1, ``group``) ``batch.taps`` is this rank's zigzag shard and the loss
@@ -310,7 +311,7 @@ def specopd_step(drafter, target_model, batch: DraftBatch, generator: Optional[t
     with torch.no_grad():
         scores = tree_target_logits(target_model, batch.input_ids, batch.cu_seqlens, br, group)
     p = branch_target_probs(scores, br)
-    value, metrics = specopd_loss(br, p, loss, drafter.cfg.loss_gamma)
+    value, metrics = specopd_loss(br, p, loss, drafter.cfg.loss_gamma, **(extra or {}))
     metrics["branches"] = int(br.tokens.shape[0])
     metrics["branch_tokens_scored"] = int(scores.branch_logits.shape[0])
     return value, metrics, br

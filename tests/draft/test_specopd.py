@@ -244,3 +244,24 @@ def test_cp2_tree_forward_equals_plain_forward(tiny_model_path, model, one_threa
             keep = x["stem_index"] >= 0
             _check_against_plain_forward(model, ids, cu, x["anchors"], x["tokens"], x["stem_index"][keep],
                                          x["stem_logits"][keep], x["branch_logits"])
+
+
+def test_distill_on_policy_branches(model, target, one_thread):
+    """draft.branches: on_policy in the distill command: block drafters only; a train step runs
+    SpecOPD (branches scored by the target) and moves the drafter."""
+    from cotrain.config.distill import load_distill_config
+    from cotrain.draft.distill import train_step
+    from cotrain.draft.optim import make_optimizer
+
+    cfg = load_distill_config(None, ["draft.kind=dflash", "draft.branches=on_policy", "draft.loss=e2e_tv"])
+    assert cfg.draft.branches == "on_policy"
+    with pytest.raises(ValueError, match="draft.branches: on_policy needs a block drafter"):
+        load_distill_config(None, ["draft.kind=eagle3", "draft.branches=on_policy"])
+    d = make_drafter("dflash", target).train()
+    batch = make_batch(model, d)
+    opt = make_optimizer(d, cfg.draft.optimizer)
+    before = {n: p.detach().clone() for n, p in d.named_parameters()}
+    m = train_step(d, batch, "e2e_tv", opt, 1.0, torch.Generator().manual_seed(0), branches="on_policy",
+                   target_model=model)
+    assert m["branches"] > 0 and m["branch_tokens_scored"] == m["branches"] * (d.draft_width - 1)
+    assert any(not torch.equal(before[n], p) for n, p in d.named_parameters())
