@@ -6,8 +6,13 @@ Arms (every arm a complete GRPO run of the same config, seeds and prompts; all a
     plain_seed1      the same with run.seed = 1                                   (run-to-run noise band)
     frozen_<kind>    the offline-distilled drafter served frozen (draft.cotrain = false)
     cotrained_<kind> the same drafter as the starting point, co-trained online (draft.cotrain = true)
+    suffix           model-free peer: vLLM's suffix decoding, its global tree fed by the run's own
+                     earlier responses (the engine lives for the whole run; needs arctic-inference)
+    ngram            model-free peer: prompt lookup (n-gram matches in the request's own tokens)
 
-for each drafter family asked for (``--kinds dflash,eagle3``). Arms are **interleaved step by step**:
+for each drafter family asked for (``--kinds dflash,eagle3``) and each peer (``--peers``; ``auto`` =
+suffix where arctic-inference is installed, else ngram; every model-free arm drafts at most ``--k``
+tokens a round, like the drafters). Arms are **interleaved step by step**:
 step t of every arm runs before step t+1 of any, in an order rotated every step, so that the machine's
 load drifts onto every arm alike. Each arm's step is timed as a whole (rollout, log-prob
 recomputation with the drafter's step, the GRPO update, the weight pushes: the real step, drafter
@@ -22,14 +27,21 @@ Reported, per family, in the JSON (``--out``) and printed:
     update_overhead         co-trained: drafter time / (update time - drafter time) (sums)
     tap_wait_fraction       co-trained: TapChannel wait / update time (sums)
 and per step every arm's phases, reward, KL to the initial policy and train-inference KL; per-step
-ratios come with their median and [min, max]. PNGs beside the JSON: acceptance per step (frozen vs
+ratios come with their median and [min, max]. After every round the steps so far are written to
+``<out>.partial.json`` (readable by ``--report``), so a run that dies keeps its finished steps.
+``summary["arms"]`` has the same keys for every
+speculative arm (drafters and peers: speed-ups, acceptance first / last, overhead, and vLLM's
+per-request acceptance for short and long responses, split at ``--long-tokens``);
+``summary["head_to_head"]`` compares each co-trained drafter with each peer on the same steps,
+early half vs late half. PNGs beside the JSON: acceptance per step (frozen vs
 co-trained), reward and KL per step (every arm, the two plain seeds as the noise band), and the median
 seconds per phase of every arm.
 
     python bench/cotrain_e2e.py                          # configs/bench_small.yaml, DFlash + EAGLE-3
     python bench/cotrain_e2e.py --steps 10 --kinds dflash
     python bench/cotrain_e2e.py --schedule runs/schedule.yaml   # speculation by batch size (calibrate)
-    python bench/cotrain_e2e.py --quick                  # smoke test: the tiny model, 2 steps, DFlash
+    python bench/cotrain_e2e.py --peers none              # drafters only
+    python bench/cotrain_e2e.py --quick                  # smoke test: the tiny model, 2 steps, DFlash, n-gram
 """
 
 from __future__ import annotations
@@ -50,8 +62,27 @@ DISTILL = {"bench_small": {"dflash": "configs/distill_small_dflash.yaml", "eagle
 EAGLE3 = ["draft.eagle3.tap_layers=null", "draft.eagle3.ttt_steps=4"]  # as distilled (default taps)
 
 
+PEERS = ("suffix", "ngram")
+
+
+def resolve_peers(spec: str) -> list[str]:
+    """``--peers``: 'auto' = suffix where arctic-inference loads, else ngram; 'none'; or a list."""
+    if spec == "auto":
+        import importlib.util
+
+        return ["suffix"] if importlib.util.find_spec("arctic_inference") is not None else ["ngram"]
+    peers = [p for p in spec.split(",") if p and p != "none"]
+    bad = [p for p in peers if p not in PEERS]
+    if bad:
+        raise SystemExit(f"--peers: {bad[0]!r} is not a peer (allowed: auto, none, {', '.join(PEERS)})")
+    return peers
+
+
 def arm_overrides(base: str, kind: str | None, mode: str, k: int, schedule: str | None) -> list[str]:
-    """Overrides turning the base config into one arm."""
+    """Overrides turning the base config into one arm (``mode`` 'plain', 'frozen', 'cotrained' or a peer)."""
+    if mode in PEERS:  # model-free: no drafter anywhere
+        return ["draft.kind=null", f"rollout.speculative.method={mode}",
+                f"rollout.speculative.num_speculative_tokens={k}", "rollout.speculative.batch_size_schedule=null"]
     if kind is None:
         return ["draft.kind=null", "rollout.speculative.method=null", "rollout.speculative.batch_size_schedule=null"]
     distill = DISTILL[base][kind]
@@ -73,7 +104,22 @@ def arm_overrides(base: str, kind: str | None, mode: str, k: int, schedule: str 
     return ov
 
 
-def summarize(arms: dict[str, list[dict]], kinds: list[str], tail: int) -> dict:
+def acceptance_by_length(samples, long_tokens: int) -> dict[str, float]:
+    """vLLM's per-request acceptance, pooled over the responses shorter than ``long_tokens`` and the
+    others: 1 + accepted drafts / verification rounds (token-weighted, as vLLM's own counter), and
+    how many responses each side has."""
+    out = {}
+    for side, keep in (("short", lambda n: n < long_tokens), ("long", lambda n: n >= long_tokens)):
+        these = [s for s in samples if keep(len(s.token_ids))]
+        spec = [s.spec_decode for s in these if s.spec_decode]
+        rounds = sum(d.get("num_spec_steps", 0.0) for d in spec)
+        accepted = sum(d.get("num_accepted_draft_tokens", 0.0) for d in spec)
+        out[f"spec/acceptance_{side}"] = 1.0 + accepted / rounds if rounds else float("nan")
+        out[f"spec/responses_{side}"] = float(len(these))
+    return out
+
+
+def summarize(arms: dict[str, list[dict]], kinds: list[str], tail: int, peers: list[str] = ()) -> dict:
     def tot(arm: str, key: str) -> float:
         return sum(m.get(key, 0.0) for m in arms[arm])
 
@@ -104,6 +150,42 @@ def summarize(arms: dict[str, list[dict]], kinds: list[str], tail: int) -> dict:
         }
     out["noise"] = {"reward_mean_seed0": statistics.mean(m["reward/mean"] for m in arms["plain"]),
                     "reward_mean_seed1": statistics.mean(m["reward/mean"] for m in arms["plain_seed1"])}
+
+    def pooled(arm: str, side: str) -> float:  # per-request acceptance over the whole run
+        ms = arms[arm]
+        n = sum(m.get(f"spec/responses_{side}", 0.0) for m in ms)
+        v = [(m[f"spec/acceptance_{side}"], m[f"spec/responses_{side}"]) for m in ms
+             if m.get(f"spec/responses_{side}") and m.get(f"spec/acceptance_{side}") == m.get(f"spec/acceptance_{side}")]
+        return sum(a * w for a, w in v) / sum(w for _, w in v) if v and n else float("nan")
+
+    out["arms"] = {}  # the same keys for every speculative arm
+    for arm in [a for a in arms if not a.startswith("plain")]:
+        draft = tot(arm, "time/draft")
+        out["arms"][arm] = {
+            "rollout_speedup": tot("plain", "time/rollout") / tot(arm, "time/rollout"),
+            "e2e_speedup": tot("plain", "time/step") / tot(arm, "time/step"),
+            "acceptance_first": acc(arm, slice(0, tail)), "acceptance_last": acc(arm, slice(-tail, None)),
+            "acceptance_short": pooled(arm, "short"), "acceptance_long": pooled(arm, "long"),
+            "update_overhead": draft / (tot(arm, "time/update") - draft) if draft else 0.0,
+            "tap_wait_fraction": tot(arm, "tap/wait_s") / tot(arm, "time/update"),
+            "per_step_rollout_speedup": ratios("plain", arm, "time/rollout"),
+        }
+    half = len(arms["plain"]) // 2
+    out["head_to_head"] = {}
+    for kind in kinds:
+        for peer in peers:
+            c = f"cotrained_{kind}"
+            r = [p["time/rollout"] / x["time/rollout"] for x, p in zip(arms[c], arms[peer])]
+            early, late = r[:half] or r, r[half:] or r
+            out["head_to_head"][f"{c}_vs_{peer}"] = {
+                "rollout_ratio_early": statistics.median(early), "rollout_ratio_late": statistics.median(late),
+                "rollout_ratio_range": [min(r), max(r)],
+                "acceptance_early": {c: acc(c, slice(0, half)), peer: acc(peer, slice(0, half))},
+                "acceptance_late": {c: acc(c, slice(half, None)), peer: acc(peer, slice(half, None))},
+                "acceptance_short": {c: pooled(c, "short"), peer: pooled(peer, "short")},
+                "acceptance_long": {c: pooled(c, "long"), peer: pooled(peer, "long")},
+                "note": "rollout_ratio = peer rollout time / co-trained rollout time on the same step (> 1: co-trained faster)",
+            }
     return out
 
 
@@ -120,6 +202,9 @@ def plot(result: dict, png: Path) -> None:
         for mode, ls in (("frozen", "--"), ("cotrained", "-")):
             v = [m.get("spec/acceptance_length", float("nan")) for m in arms[f"{mode}_{kind}"]]
             ax[0].plot(steps, v, ls, color=f"C{i}", label=f"{kind} {mode}")
+    for i, peer in enumerate(result.get("peers", [])):
+        v = [m.get("spec/acceptance_length", float("nan")) for m in arms[peer]]
+        ax[0].plot(steps, v, ":", color=f"C{len(kinds) + i}", label=f"{peer} (model-free)")
     ax[0].set_title("vLLM acceptance length")
     for key, a, title in (("reward/mean", ax[1], "reward"), ("kl/ref", ax[2], "KL to the initial policy")):
         lo = [min(x.get(key, 0), y.get(key, 0)) for x, y in zip(arms["plain"], arms["plain_seed1"])]
@@ -149,6 +234,31 @@ def plot(result: dict, png: Path) -> None:
     plt.close(fig)
 
 
+def _record_samples(rollout) -> list:
+    """Keep the samples of every rollout (for per-request acceptance by length); the step's result is
+    returned unchanged."""
+    box = [[]]
+    generate = rollout.generate
+
+    def recording(*a, **kw):
+        result = generate(*a, **kw)
+        box[0] = [s for group in result.samples for s in group]
+        return result
+
+    rollout.generate = recording
+    return box
+
+
+def machine_info() -> dict:
+    import os
+    import platform
+
+    import torch
+
+    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+            "load_avg_at_end": os.getloadavg()}
+
+
 def run(args) -> dict:
     import ray
 
@@ -163,8 +273,12 @@ def run(args) -> dict:
     for kind in kinds:
         specs[f"frozen_{kind}"] = (kind, "frozen", 0)
         specs[f"cotrained_{kind}"] = (kind, "cotrained", 0)
+    peers = resolve_peers(args.peers)
+    for peer in peers:
+        specs[peer] = (None, peer, 0)
     out_root = Path(args.out).with_suffix("")
     runs: dict[str, GrpoRun] = {}
+    last: dict[str, list] = {}  # the samples of each arm's latest rollout
     metrics: dict[str, list[dict]] = {n: [] for n in specs}
     try:
         for name, (kind, mode, seed) in specs.items():
@@ -174,6 +288,7 @@ def run(args) -> dict:
             print(f"[setup] {name}", flush=True)
             runs[name] = GrpoRun(cfg)
             runs[name].setup(resume=False)
+            last[name] = _record_samples(runs[name].rollout)
         names = list(specs)
         for step in range(1, args.steps + 1):
             order = names[step % len(names):] + names[: step % len(names)]
@@ -181,6 +296,7 @@ def run(args) -> dict:
                 t0 = time.perf_counter()
                 m = runs[name].step(step)
                 m["time/step"] = time.perf_counter() - t0
+                m.update(acceptance_by_length(last[name][0], args.long_tokens))
                 runs[name].logger.log(step, m)
                 metrics[name].append(m)
             c = {n: metrics[n][-1] for n in names}
@@ -188,16 +304,28 @@ def run(args) -> dict:
                 f"{n}: {c[n]['time/step']:.1f}s" + (f" acc {c[n]['spec/acceptance_length']:.2f}"
                                                     if "spec/acceptance_length" in c[n] else "") for n in names),
                   flush=True)
+            # every finished round is kept: a run that dies later still leaves its complete steps
+            partial = Path(args.out).with_suffix(".partial.json")
+            partial.parent.mkdir(parents=True, exist_ok=True)
+            partial.write_text(json.dumps(_result(args, kinds, peers, metrics, step), indent=1))
     finally:
         for r in runs.values():
             r.shutdown()
         ray.shutdown()
-    keep = ("time/step", *PHASES, "time/draft_push", "tap/wait_s", "rollout/tokens_per_s", "reward/mean", "kl/ref",
-            "kl/train_infer", "spec/acceptance_length", "draft/acceptance_offline", "draft/loss", "response/length")
-    arms = {n: [{k: v for k, v in m.items() if k in keep} for m in ms] for n, ms in metrics.items()}
-    result = {"config": args.config, "steps": args.steps, "kinds": kinds, "k": args.k, "schedule": args.schedule,
-              "overrides": args.overrides, "arms": arms}
-    result["summary"] = summarize(arms, kinds, tail=max(1, min(3, args.steps // 3)))
+    return _result(args, kinds, peers, metrics, args.steps)
+
+
+KEEP = ("time/step", *PHASES, "time/draft_push", "tap/wait_s", "rollout/tokens_per_s", "reward/mean", "kl/ref",
+        "kl/train_infer", "spec/acceptance_length", "draft/acceptance_offline", "draft/loss", "response/length",
+        "spec/acceptance_short", "spec/acceptance_long", "spec/responses_short", "spec/responses_long")
+
+
+def _result(args, kinds: list[str], peers: list[str], metrics: dict[str, list[dict]], steps: int) -> dict:
+    arms = {n: [{k: v for k, v in m.items() if k in KEEP} for m in ms[:steps]] for n, ms in metrics.items()}
+    result = {"config": args.config, "steps": steps, "kinds": kinds, "peers": peers, "k": args.k,
+              "schedule": args.schedule, "long_tokens": args.long_tokens, "overrides": args.overrides, "arms": arms,
+              "machine": machine_info()}
+    result["summary"] = summarize(arms, kinds, tail=max(1, min(3, steps // 3)), peers=peers)
     return result
 
 
@@ -215,7 +343,83 @@ def report(result: dict) -> str:
                   f"{s['acceptance_last']['cotrained']:.2f}",
                   f"  update-time overhead {100 * s['update_overhead']:.1f}%, tap wait "
                   f"{100 * s['tap_wait_fraction']:.2f}% of the update"]
+    arms = result["summary"].get("arms", {})
+    if arms:
+        lines.append(f"{'arm':<18} {'rollout':>8} {'e2e':>6} {'acc first':>9} {'acc last':>8} {'acc short':>9} "
+                     f"{'acc long':>8} {'overhead':>8}")
+        for name, a in arms.items():
+            lines.append(f"{name:<18} {a['rollout_speedup']:>7.2f}x {a['e2e_speedup']:>5.2f}x {a['acceptance_first']:>9.2f} "
+                         f"{a['acceptance_last']:>8.2f} {a['acceptance_short']:>9.2f} {a['acceptance_long']:>8.2f} "
+                         f"{100 * a['update_overhead']:>7.1f}%")
+    for name, h in result["summary"].get("head_to_head", {}).items():
+        lines.append(f"{name}: peer/co-trained rollout time early {h['rollout_ratio_early']:.2f}, late "
+                     f"{h['rollout_ratio_late']:.2f} (range {h['rollout_ratio_range'][0]:.2f}-{h['rollout_ratio_range'][1]:.2f})")
     return "\n".join(lines)
+
+
+PAPER = {  # the paper's published ranges (../shared/seeds: Tab. 1, Tab. 2, section 3.5), for the tables
+    "acceptance": "2.28-4.78", "rollout_speedup": "1.19-2.23x", "e2e_speedup": "1.16-1.88x",
+    "update_overhead": {"dflash": "< 15%", "dspark": "14.6%", "eagle3": "34%"}, "tap_wait_fraction": "1.5-2.2%"}
+
+
+def _rng(d: dict) -> str:
+    return f"{d['median']:.2f} [{d['min']:.2f}, {d['max']:.2f}]" if d else "-"
+
+
+def markdown(result: dict) -> str:
+    """docs/benchmarks.md's tables, rendered from one run's JSON (``--report JSON --markdown``)."""
+    S, arms = result["summary"], result["arms"]
+    out = ["Table 1 analogue (per drafter family; speed-ups = plain time / arm time, sums over the steps; "
+           "per-step ratios as median [min, max]):", "",
+           "| family | acceptance frozen (first -> last) | acceptance co-trained (first -> last) | rollout speed-up "
+           "co-trained | per step | end-to-end speed-up co-trained | per step | frozen rollout / end-to-end |",
+           "|---|---|---|---|---|---|---|---|"]
+    for kind in result["kinds"]:
+        s = S[kind]
+        out.append(f"| {kind} | {s['acceptance_first']['frozen']:.2f} -> {s['acceptance_last']['frozen']:.2f} | "
+                   f"{s['acceptance_first']['cotrained']:.2f} -> {s['acceptance_last']['cotrained']:.2f} | "
+                   f"{s['rollout_speedup']:.2f}x | {_rng(s['per_step_rollout_speedup'])} | {s['e2e_speedup']:.2f}x | "
+                   f"{_rng(s['per_step_e2e_speedup'])} | {s['frozen_rollout_speedup']:.2f}x / {s['frozen_e2e_speedup']:.2f}x |")
+    out.append(f"| paper (Tab. 1) | - | {PAPER['acceptance']} | {PAPER['rollout_speedup']} | | {PAPER['e2e_speedup']} | | |")
+    out += ["", "Table 2 analogue (co-trained arms):", "",
+            "| family | update-time overhead (drafter / rest of the update) | paper | tap wait / update time | paper |",
+            "|---|---|---|---|---|"]
+    for kind in result["kinds"]:
+        s = S[kind]
+        out.append(f"| {kind} | {100 * s['update_overhead']:.1f}% | {PAPER['update_overhead'].get(kind, '-')} | "
+                   f"{100 * s['tap_wait_fraction']:.2f}% | {PAPER['tap_wait_fraction']} |")
+    out += ["", "Every arm (the same keys for drafters and model-free peers; acceptance = vLLM's tokens per "
+            f"verification round; short / long = responses under / at least {result.get('long_tokens', 48)} tokens, "
+            "pooled per request over the run):", "",
+            "| arm | rollout speed-up | end-to-end speed-up | acceptance first -> last | short | long | update overhead |",
+            "|---|---|---|---|---|---|---|"]
+    for name, a in S.get("arms", {}).items():
+        out.append(f"| {name} | {a['rollout_speedup']:.2f}x | {a['e2e_speedup']:.2f}x | {a['acceptance_first']:.2f} -> "
+                   f"{a['acceptance_last']:.2f} | {a['acceptance_short']:.2f} | {a['acceptance_long']:.2f} | "
+                   f"{100 * a['update_overhead']:.1f}% |")
+    out += ["", "Median seconds per step and phase (the update includes the drafter's step; the push both pushes):", "",
+            "| arm | step | rollout | update | of which drafter | weight push | rollout tokens/s | reward | kl/ref (last) |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for name, ms in arms.items():
+        med = {k: statistics.median(m.get(k, 0.0) for m in ms) for k in
+               ("time/step", "time/rollout", "time/update", "time/draft", "time/weight_push", "rollout/tokens_per_s")}
+        out.append(f"| {name} | {med['time/step']:.2f} | {med['time/rollout']:.2f} | {med['time/update']:.2f} | "
+                   f"{med['time/draft']:.2f} | {med['time/weight_push']:.2f} | {med['rollout/tokens_per_s']:.0f} | "
+                   f"{statistics.mean(m['reward/mean'] for m in ms):.3f} | {ms[-1].get('kl/ref', float('nan')):.4f} |")
+    h2h = S.get("head_to_head", {})
+    if h2h:
+        out += ["", "Co-trained drafter vs model-free peer on the same steps (peer rollout time / co-trained rollout "
+                "time: > 1 = the drafter is faster):", "",
+                "| pair | early half | late half | range | acceptance early | acceptance late | short | long |",
+                "|---|---|---|---|---|---|---|---|"]
+        for name, h in h2h.items():
+            def two(d):
+                a, b = list(d.values())
+                return f"{a:.2f} / {b:.2f}"
+            out.append(f"| {name} | {h['rollout_ratio_early']:.2f} | {h['rollout_ratio_late']:.2f} | "
+                       f"{h['rollout_ratio_range'][0]:.2f}-{h['rollout_ratio_range'][1]:.2f} | {two(h['acceptance_early'])} | "
+                       f"{two(h['acceptance_late'])} | {two(h['acceptance_short'])} | {two(h['acceptance_long'])} |")
+    return "\n".join(out)
 
 
 def main(argv=None) -> int:
@@ -224,25 +428,32 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--kinds", default="dflash,eagle3")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per round (rollout.speculative.num_speculative_tokens)")
+    ap.add_argument("--peers", default="auto", help="model-free arms: auto (suffix if arctic-inference is "
+                    "installed, else ngram), none, or a list of suffix,ngram")
+    ap.add_argument("--long-tokens", type=int, default=48, help="responses this long or longer count as long "
+                    "(acceptance by response length)")
     ap.add_argument("--schedule", help="a YAML written by python -m cotrain.rl.calibrate --write")
     ap.add_argument("--out", default="bench/results/cotrain_e2e.json")
     ap.add_argument("--quick", action="store_true", help="smoke test: configs/grpo.yaml (tiny), 2 steps, DFlash, small batch")
     ap.add_argument("--report", metavar="JSON", help="print the summary of an earlier run and redraw its PNG")
+    ap.add_argument("--markdown", action="store_true", help="with --report: print docs/benchmarks.md's tables")
     ap.add_argument("overrides", nargs="*", metavar="key.path=value")
     args = ap.parse_args(argv)
     if args.report:
         result = json.loads(Path(args.report).read_text())
         plot(result, Path(args.report).with_suffix(".png"))
-        print(report(result))
+        print(markdown(result) if args.markdown else report(result))
         return 0
     if args.quick:
         args.config, args.steps, args.kinds, args.k = "configs/grpo.yaml", 2, "dflash", 3
+        args.peers = "ngram" if args.peers == "auto" else args.peers
         args.overrides = ["grpo.prompts_per_step=4", "grpo.group_size=4", "policy.micro_batch_size=16",
                           "draft.dflash.block_size=7", *args.overrides]
     result = run(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
+    out.with_suffix(".partial.json").unlink(missing_ok=True)
     plot(result, out.with_suffix(".png"))
     print(report(result))
     print(f"wrote {out} and {out.with_suffix('.png')}")

@@ -52,7 +52,7 @@ def test_cotrain_e2e_bench(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     res = json.loads(out.read_text())
-    assert set(res["arms"]) == {"plain", "plain_seed1", "frozen_dflash", "cotrained_dflash"}
+    assert set(res["arms"]) == {"plain", "plain_seed1", "frozen_dflash", "cotrained_dflash", "ngram"}
     s = res["summary"]["dflash"]
     for key in ("rollout_speedup", "e2e_speedup", "frozen_rollout_speedup", "acceptance_first", "acceptance_last",
                 "update_overhead", "tap_wait_fraction"):
@@ -60,5 +60,14 @@ def test_cotrain_e2e_bench(tmp_path):
     for name, steps in res["arms"].items():
         assert len(steps) == 2
         assert all(m["kl/train_infer"] < 1e-6 for m in steps)
-        assert ("spec/acceptance_length" in steps[0]) == name.endswith("dflash")
+        assert ("spec/acceptance_length" in steps[0]) == (not name.startswith("plain"))
+    # the same keys for every speculative arm, drafters and the model-free peer alike
+    arms = res["summary"]["arms"]
+    assert set(arms) == {"frozen_dflash", "cotrained_dflash", "ngram"}
+    assert len({tuple(sorted(a)) for a in arms.values()}) == 1
+    assert arms["ngram"]["update_overhead"] == 0.0 and arms["cotrained_dflash"]["update_overhead"] > 0
+    for name in arms:  # per-request acceptance by length: every response counted once
+        for m in res["arms"][name]:
+            assert m["spec/responses_short"] + m["spec/responses_long"] == 16
+    assert set(res["summary"]["head_to_head"]) == {"cotrained_dflash_vs_ngram"}
     assert out.with_suffix(".png").stat().st_size > 10_000
