@@ -60,11 +60,11 @@ def test_transport_factory():
     assert resolve_transport_name("auto") == ("cuda_ipc" if torch.cuda.is_available() else "shm")
     assert resolve_transport_name("auto", colocated=False) == ("nccl" if torch.cuda.is_available() else "shm")
     assert isinstance(make_transport("shm"), ShmTransport)
-    with pytest.raises(ValueError, match="allowed: auto, shm, cuda_ipc, nccl"):
+    with pytest.raises(ValueError, match="allowed: auto, shm, object_store, cuda_ipc, nccl"):
         make_transport("carrier-pigeon")
     with pytest.raises(ValueError, match="master_addr, master_port, world_size"):
         make_transport("nccl")
-    with pytest.raises(WeightPushError, match="allowed: shm, cuda_ipc, nccl"):
+    with pytest.raises(WeightPushError, match="allowed: shm, object_store, cuda_ipc, nccl"):
         receiver_for({"transport": "floppy", "version": 1, "manifest": []})
     for name, backend in (("nccl", "'nccl'"), ("cuda_ipc", "'ipc'")):  # vLLM's engines receive those
         with pytest.raises(WeightPushError, match=f"received by vLLM's {backend} weight-transfer engine"):
