@@ -119,12 +119,16 @@ def acceptance_by_length(samples, long_tokens: int) -> dict[str, float]:
     return out
 
 
-def summarize(arms: dict[str, list[dict]], kinds: list[str], tail: int, peers: list[str] = ()) -> dict:
+def summarize(arms: dict[str, list[dict]], kinds: list[str], tail: int, peers: list[str] = (), warmup: int = 1) -> dict:
+    """Times (sums, per-step ratios, head to head) over the steps after the first ``warmup`` ones of
+    every arm (one-time costs: the engines' and trainers' first calls); acceptance over all steps."""
+    timed = {n: ms[warmup:] if len(ms) > warmup else ms for n, ms in arms.items()}
+
     def tot(arm: str, key: str) -> float:
-        return sum(m.get(key, 0.0) for m in arms[arm])
+        return sum(m.get(key, 0.0) for m in timed[arm])
 
     def ratios(a: str, b: str, key: str) -> dict:
-        r = [x[key] / y[key] for x, y in zip(arms[a], arms[b]) if y.get(key)]
+        r = [x[key] / y[key] for x, y in zip(timed[a], timed[b]) if y.get(key)]
         return {"median": statistics.median(r), "min": min(r), "max": max(r)} if r else {}
 
     def acc(arm: str, part: slice) -> float:
@@ -169,14 +173,15 @@ def summarize(arms: dict[str, list[dict]], kinds: list[str], tail: int, peers: l
             "update_overhead": draft / (tot(arm, "time/update") - draft) if draft else 0.0,
             "tap_wait_fraction": tot(arm, "tap/wait_s") / tot(arm, "time/update"),
             "per_step_rollout_speedup": ratios("plain", arm, "time/rollout"),
+            "per_step_e2e_speedup": ratios("plain", arm, "time/step"),
         }
     half = len(arms["plain"]) // 2
     out["head_to_head"] = {}
     for kind in kinds:
         for peer in peers:
             c = f"cotrained_{kind}"
-            r = [p["time/rollout"] / x["time/rollout"] for x, p in zip(arms[c], arms[peer])]
-            early, late = r[:half] or r, r[half:] or r
+            r = [p["time/rollout"] / x["time/rollout"] for x, p in zip(timed[c], timed[peer])]
+            early, late = r[: len(r) // 2] or r, r[len(r) // 2:] or r
             out["head_to_head"][f"{c}_vs_{peer}"] = {
                 "rollout_ratio_early": statistics.median(early), "rollout_ratio_late": statistics.median(late),
                 "rollout_ratio_range": [min(r), max(r)],
@@ -325,7 +330,8 @@ def _result(args, kinds: list[str], peers: list[str], metrics: dict[str, list[di
     result = {"config": args.config, "steps": steps, "kinds": kinds, "peers": peers, "k": args.k,
               "schedule": args.schedule, "long_tokens": args.long_tokens, "overrides": args.overrides, "arms": arms,
               "machine": machine_info()}
-    result["summary"] = summarize(arms, kinds, tail=max(1, min(3, steps // 3)), peers=peers)
+    result["warmup"] = args.warmup
+    result["summary"] = summarize(arms, kinds, tail=max(1, min(3, steps // 3)), peers=peers, warmup=args.warmup)
     return result
 
 
@@ -369,8 +375,10 @@ def _rng(d: dict) -> str:
 def markdown(result: dict) -> str:
     """docs/benchmarks.md's tables, rendered from one run's JSON (``--report JSON --markdown``)."""
     S, arms = result["summary"], result["arms"]
-    out = ["Table 1 analogue (per drafter family; speed-ups = plain time / arm time, sums over the steps; "
-           "per-step ratios as median [min, max]):", "",
+    w = result.get("warmup", 0)
+    out = [f"Table 1 analogue (per drafter family; speed-ups = plain time / arm time, sums over steps {w + 1}-"
+           f"{result['steps']} (steps 1-{w} left out: docs/benchmarks.md says why); per-step ratios as median [min, max]; "
+           "acceptance over the first / last steps):", "",
            "| family | acceptance frozen (first -> last) | acceptance co-trained (first -> last) | rollout speed-up "
            "co-trained | per step | end-to-end speed-up co-trained | per step | frozen rollout / end-to-end |",
            "|---|---|---|---|---|---|---|---|"]
@@ -391,17 +399,21 @@ def markdown(result: dict) -> str:
     out += ["", "Every arm (the same keys for drafters and model-free peers; acceptance = vLLM's tokens per "
             f"verification round; short / long = responses under / at least {result.get('long_tokens', 48)} tokens, "
             "pooled per request over the run):", "",
-            "| arm | rollout speed-up | end-to-end speed-up | acceptance first -> last | short | long | update overhead |",
-            "|---|---|---|---|---|---|---|"]
+            "| arm | rollout speed-up | per step | end-to-end speed-up | per step | acceptance first -> last | short | long "
+            "| update overhead |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for name, a in S.get("arms", {}).items():
-        out.append(f"| {name} | {a['rollout_speedup']:.2f}x | {a['e2e_speedup']:.2f}x | {a['acceptance_first']:.2f} -> "
+        out.append(f"| {name} | {a['rollout_speedup']:.2f}x | {_rng(a['per_step_rollout_speedup'])} | {a['e2e_speedup']:.2f}x | "
+                   f"{_rng(a.get('per_step_e2e_speedup', {}))} | {a['acceptance_first']:.2f} -> "
                    f"{a['acceptance_last']:.2f} | {a['acceptance_short']:.2f} | {a['acceptance_long']:.2f} | "
                    f"{100 * a['update_overhead']:.1f}% |")
-    out += ["", "Median seconds per step and phase (the update includes the drafter's step; the push both pushes):", "",
+    out += ["", f"Median seconds per step and phase over steps {w + 1}-{result['steps']} (the update includes the drafter's "
+            "step; the push both pushes); reward: mean over all steps; KL to the initial policy at the last step:", "",
             "| arm | step | rollout | update | of which drafter | weight push | rollout tokens/s | reward | kl/ref (last) |",
             "|---|---|---|---|---|---|---|---|---|"]
     for name, ms in arms.items():
-        med = {k: statistics.median(m.get(k, 0.0) for m in ms) for k in
+        timed = ms[w:] if len(ms) > w else ms
+        med = {k: statistics.median(m.get(k, 0.0) for m in timed) for k in
                ("time/step", "time/rollout", "time/update", "time/draft", "time/weight_push", "rollout/tokens_per_s")}
         out.append(f"| {name} | {med['time/step']:.2f} | {med['time/rollout']:.2f} | {med['time/update']:.2f} | "
                    f"{med['time/draft']:.2f} | {med['time/weight_push']:.2f} | {med['rollout/tokens_per_s']:.0f} | "
@@ -437,10 +449,16 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smoke test: configs/grpo.yaml (tiny), 2 steps, DFlash, small batch")
     ap.add_argument("--report", metavar="JSON", help="print the summary of an earlier run and redraw its PNG")
     ap.add_argument("--markdown", action="store_true", help="with --report: print docs/benchmarks.md's tables")
+    ap.add_argument("--warmup", type=int, default=1, help="first steps of every arm left out of the times "
+                    "(one-time costs); with --report the summary is recomputed with it and written back")
     ap.add_argument("overrides", nargs="*", metavar="key.path=value")
     args = ap.parse_args(argv)
     if args.report:
         result = json.loads(Path(args.report).read_text())
+        result["warmup"] = args.warmup
+        result["summary"] = summarize(result["arms"], result["kinds"], tail=max(1, min(3, result["steps"] // 3)),
+                                      peers=result.get("peers", []), warmup=args.warmup)
+        Path(args.report).write_text(json.dumps(result, indent=1))
         plot(result, Path(args.report).with_suffix(".png"))
         print(markdown(result) if args.markdown else report(result))
         return 0
