@@ -19,8 +19,6 @@ and under `ray job submit --working-dir . -- python launch/grpo.py ...`.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -28,7 +26,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-EXIT_OK, EXIT_NO_DRIVER, EXIT_CONFIG = 0, 1, 2
+EXIT_OK, EXIT_CONFIG = 0, 2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,27 +64,21 @@ def main(argv: list[str] | None = None) -> int:
         print_summary(cfg, title=f"config OK: {args.config}")
         return EXIT_OK
 
-    if importlib.util.find_spec("cotrain.rl") is None or importlib.util.find_spec("cotrain.rl.driver") is None:
-        print("cotrain.rl.driver (the GRPO loop) is not available in this checkout; the config is valid. "
-              "Use --validate-only to check configs.", file=sys.stderr)
-        return EXIT_NO_DRIVER
-    driver = importlib.import_module("cotrain.rl.driver")
+    from cotrain.rl import driver
+    from cotrain.rl.checkpoint import CheckpointError
+
     try:
-        result = driver.main(cfg, resume=cfg.checkpoint.resume)
+        driver.main(cfg, resume=cfg.checkpoint.resume)
     except NotImplementedError as e:  # a valid config asking for what the loop does not do yet
         print(f"not supported yet ({args.config}):\n{e}", file=sys.stderr)
         return EXIT_CONFIG
     except ConfigError as e:  # what only the run can see (e.g. the data changed since validation)
         print(f"config error ({args.config}):\n{e}", file=sys.stderr)
         return EXIT_CONFIG
-    except Exception as e:
-        from cotrain.rl.checkpoint import CheckpointError
-
-        if not isinstance(e, CheckpointError):
-            raise
+    except CheckpointError as e:
         print(f"checkpoint error ({args.config}):\n{e}", file=sys.stderr)  # names the damaged file
         return EXIT_CONFIG
-    return int(result) if isinstance(result, int) else EXIT_OK
+    return EXIT_OK
 
 
 if __name__ == "__main__":
