@@ -110,8 +110,9 @@ def calibrate(cfg, batch_sizes: list[int], ks: list[int], max_tokens: int, round
     from tqdm import tqdm
 
     from cotrain.models.build_tiny import resolve_model_path
-    from cotrain.rl.driver import init_ray, load_problems, resolve_draft_init
+    from cotrain.rl.driver import load_problems, resolve_draft_init
     from cotrain.rl.interfaces import SamplingSpec
+    from cotrain.rl.ray_workers import init_ray
 
     spec_cfg = cfg.rollout.speculative
     if spec_cfg.method is None:

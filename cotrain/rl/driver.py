@@ -11,13 +11,13 @@
         push      <- new policy (and drafter) weights into the engines (versioned)
         metrics   -> JSONL / TensorBoard / W&B / MLflow;  checkpoint every N steps
 
-The workers are reached only through their interfaces (:mod:`cotrain.rl.interfaces`); how they are
-placed on Ray lives in :mod:`cotrain.rl.workers` and :mod:`cotrain.rl.rollout`.
+The workers are reached only through their interfaces (:mod:`cotrain.rl.interfaces`), built by a
+:class:`~cotrain.rl.interfaces.WorkerFactory`: by default :class:`cotrain.rl.ray_workers.RayWorkers`
+(Megatron trainers and vLLM engines as Ray actors).
 """
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from contextlib import contextmanager
@@ -28,10 +28,10 @@ import torch
 
 from cotrain.rl.batch import TrainBatch, build_batch
 from cotrain.rl.checkpoint import CheckpointManager
-from cotrain.tasks.data import Problem, PromptStream
 from cotrain.rl.grpo import group_advantages, k3_kl
-from cotrain.rl.interfaces import SamplingSpec
+from cotrain.rl.interfaces import SamplingSpec, WorkerFactory
 from cotrain.rl.metrics import MetricsLogger
+from cotrain.tasks.data import Problem, PromptStream
 from cotrain.tasks.rewards import exact_match_reward
 
 
@@ -114,94 +114,6 @@ def resolve_draft_init(cfg) -> str | None:
     return init
 
 
-def init_ray(cfg) -> None:
-    """Join the configured Ray cluster, or start a local one that dies with this process.
-
-    A local cluster's processes are this driver's descendants. Ray's own fate sharing leaves two of
-    them behind when the driver is SIGKILLed (the dashboard and runtime-env agents outlive their
-    raylet, measured 45 s and more), so a small reaper process (:func:`start_reaper`) kills what is
-    left of them once the driver is gone. SIGTERM (``kill``, ``ray job stop``) raises SystemExit(143)
-    in the driver (:func:`exit_on_sigterm`): ``finally`` blocks (worker shutdown) and ``ray.shutdown``
-    run and the process exits 143, where Ray's own handlers print a C++ stack and end it with SIGABRT."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = cfg.cluster.ray_address
-    if address is None and os.environ.get("RAY_ADDRESS"):
-        address = "auto"  # launched by `ray job submit`: join that cluster
-    if address in (None, "local"):
-        ray.init(address="local", num_cpus=cfg.cluster.cpus_per_node, num_gpus=cfg.cluster.gpus_per_node or None,
-                 include_dashboard=False, log_to_driver=False)
-        start_reaper()
-    else:
-        ray.init(address=address, log_to_driver=False)
-    exit_on_sigterm()
-
-
-_REAPER_SOURCE = r"""
-import os, sys, time
-import psutil
-driver, grace = psutil.Process(int(sys.argv[1])), float(sys.argv[2])
-known = {}
-while True:
-    try:
-        if driver.status() == psutil.STATUS_ZOMBIE:
-            break
-        for p in driver.children(recursive=True):
-            known.setdefault(p.pid, p)
-    except psutil.Error:  # gone (is_running/status compare the creation time: no pid reuse)
-        break
-    time.sleep(1.0)
-time.sleep(grace)  # Ray's own fate sharing goes first
-left = [p for p in known.values() if p.pid != os.getpid() and p.is_running()]
-for p in left:
-    try:
-        p.terminate()
-    except psutil.Error:
-        pass
-_, left = psutil.wait_procs(left, timeout=5)
-for p in left:
-    try:
-        p.kill()
-    except psutil.Error:
-        pass
-"""
-_reaper = None
-
-
-def start_reaper(grace_s: float = 2.0):
-    """Start (once per process) a detached watcher of this process: it records this process's
-    descendants every second and, once this process has exited - normally or killed - gives them
-    ``grace_s`` to exit and then terminates (after 5 s kills) those still running. Only processes
-    it saw as descendants are touched (psutil checks creation times, so no reused pid)."""
-    global _reaper
-    import subprocess
-    import sys
-
-    if _reaper is None or _reaper.poll() is not None:
-        _reaper = subprocess.Popen([sys.executable, "-c", _REAPER_SOURCE, str(os.getpid()), str(grace_s)],
-                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                   start_new_session=True)
-    return _reaper
-
-
-def exit_on_sigterm() -> None:
-    """SIGTERM -> SystemExit(143) in the main thread, installed after ``ray.init`` (whose handlers
-    would dump a C++ stack and abort the process); a second SIGTERM kills outright."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def handler(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, handler)
-
-
 @contextmanager
 def timed(metrics: dict, key: str):
     t = time.perf_counter()
@@ -219,19 +131,24 @@ class DriverState:
 
 # ---------------------------------------------------------------------------------------- the run
 class GrpoRun:
-    def __init__(self, cfg):
+    """One GRPO run. ``workers`` builds the trainer and the engines (default: Ray actors,
+    :class:`~cotrain.rl.ray_workers.RayWorkers`)."""
+
+    def __init__(self, cfg, workers: WorkerFactory | None = None):
+        if workers is None:
+            from cotrain.rl.ray_workers import RayWorkers
+
+            workers = RayWorkers(cfg)
         self.cfg = cfg
+        self.workers = workers
         self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
         self.trainer = self.rollout = self.logger = None
-        self.placement = None  # cotrain.placement.ClusterPlacement when cluster.num_nodes > 1
         self.rejected_draft_pushes = 0
 
     def setup(self, resume) -> None:
         from transformers import AutoTokenizer
 
         from cotrain.models.build_tiny import resolve_model_path
-        from cotrain.rl.rollout import RolloutGroup
-        from cotrain.rl.workers import TrainerGroup
 
         cfg = self.cfg
         self.model_path = str(resolve_model_path(cfg.policy.model_path))
@@ -243,20 +160,13 @@ class GrpoRun:
         # everything that can fail without workers fails before they start
         resume_dir = self.ckpt.resolve(resume) if resume else None  # verified; a damaged one is skipped
         draft_init = resolve_draft_init(cfg) if self.cotrain else None
-        init_ray(cfg)
-        if cfg.cluster.num_nodes > 1:  # one placement group: every rank and engine on its node (docs/multinode.md)
-            from cotrain.placement import ClusterPlacement
-
-            self.placement = ClusterPlacement(cfg)
-            print("placement:\n  " + self.placement.describe().replace("\n", "\n  "))
-        self.trainer = TrainerGroup(cfg, self.model_path, draft_init=draft_init, placement=self.placement)
+        self.workers.start()
+        self.trainer = self.workers.trainer(self.model_path, draft_init)
         served_draft = None
         if self.serves_cotrained_drafter:  # the engines start with the trainer's initial drafter
             served_draft = self.trainer.export_draft_dir(str(Path(cfg.run.output_dir) / "drafter_init"))
-        self.rollout = RolloutGroup.from_config(cfg, model_path=self.model_path, draft_model=served_draft,
-                                                placement=self.placement)
-        if cfg.rollout.weight_transport == "nccl":  # GPU engines on other devices: a broadcast group
-            self.trainer.connect_weight_broadcast(self.rollout)
+        self.rollout = self.workers.rollout(self.model_path, served_draft)
+        self.trainer.connect(self.rollout)
         if resume_dir is not None:
             self.trainer.load_checkpoint(str(resume_dir))
             saved = self.ckpt.load_driver_state(resume_dir)
@@ -327,7 +237,7 @@ class GrpoRun:
         return m
 
     def push(self, kind: str, version: int) -> None:
-        handle = self.trainer.export(kind, version, self.cfg.rollout.weight_transport)
+        handle = self.trainer.export(kind, version)
         try:
             self.rollout.push_handle(kind, handle, version)
         finally:
@@ -389,8 +299,7 @@ class GrpoRun:
             every_eval = self.cfg.data.eval.every
             if every_eval and step % every_eval == 0:
                 m.update(self.evaluate())
-            if self.placement is not None:
-                self.placement.check(f"step {step}", force=True)
+            self.workers.check_alive(f"step {step}")
             return m
         except NodeDiedError as e:
             raise e.during_step(step) from None
@@ -406,11 +315,10 @@ class GrpoRun:
         for workers in (self.rollout, self.trainer):
             if workers is not None:
                 workers.shutdown()
-        if self.placement is not None:
-            self.placement.remove()
+        self.workers.close()
 
 
-def main(cfg, resume=False) -> int:
+def main(cfg, resume=False) -> None:
     run = GrpoRun(cfg)
     try:
         run.setup(resume)
@@ -421,4 +329,3 @@ def main(cfg, resume=False) -> int:
 
     png = plot_run(cfg.run.output_dir)
     print(f"done: {cfg.grpo.num_steps} steps; metrics in {cfg.run.output_dir}/metrics.jsonl, curves in {png}")
-    return 0

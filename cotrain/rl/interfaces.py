@@ -1,24 +1,32 @@
-"""What the GRPO driver needs from its workers, independent of how they are built or placed.
+"""The contract between the GRPO driver and its workers: what the driver calls, and nothing else.
 
-The driver talks to two kinds of workers through these interfaces only:
+The driver (:mod:`cotrain.rl.driver`) reaches its workers only through these interfaces:
 
-* a :class:`GenerationBackend` samples responses (vLLM is one implementation, running in Ray
-  actors) and accepts pushed weights;
-* a :class:`TrainingBackend` recomputes log-probabilities, takes GRPO steps and exports its weights
-  (Megatron-core is one implementation, a group of Ray actors forming one torch.distributed world).
+* a :class:`GenerationBackend` samples responses and loads pushed weights (vLLM engines in Ray
+  actors: :class:`cotrain.rl.rollout.RolloutGroup`);
+* a :class:`TrainingBackend` recomputes log-probabilities, takes GRPO steps (with the co-trained
+  drafter's step on the same forward), publishes its weights for the engines and checkpoints
+  itself (Megatron-core ranks in Ray actors: :class:`cotrain.rl.workers.TrainerGroup`);
+* a :class:`WorkerFactory` builds both for a run (:class:`cotrain.rl.ray_workers.RayWorkers`,
+  the default).
 
-Weights travel between them as ``{name: tensor}`` in Hugging Face names (policy) or the drafter's
-vLLM names (draft); a :class:`WeightTransport` decides how the bytes move (shared memory on CPU,
-CUDA IPC when colocated on a GPU, NCCL broadcast otherwise).
+A weight push is ``handle = trainer.export(kind, version)`` -> ``rollout.push_handle(kind, handle,
+version)`` -> ``trainer.release_export(handle)``; the handle is a small picklable dict whose
+format is the trainer's and the engines' business (:mod:`cotrain.rl.weight_transport`).
+A new engine or trainer implements one of these classes; the driver's tests run it on in-process
+fakes (tests/rl/test_driver_contract.py).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from cotrain.rl.batch import TrainBatch
 
 WeightKind = Literal["policy", "draft"]
 
@@ -55,17 +63,18 @@ class GenerationResult:
 
 
 class GenerationBackend(ABC):
+    """The rollout engines."""
+
     @abstractmethod
     def generate(self, prompts: list[str], sampling: SamplingSpec, n: int) -> GenerationResult:
-        """``n`` samples for each prompt."""
+        """``n`` samples for each prompt, in prompt order (``sampling.seed`` makes them reproducible)."""
 
     @abstractmethod
-    def push_weights(self, kind: WeightKind, named_tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Load new weights into the running engine(s); raise and keep serving the old ones on mismatch."""
-
-    @abstractmethod
-    def weight_version(self) -> int:
-        """The version label of the weights currently served."""
+    def push_handle(self, kind: WeightKind, handle: dict, version: int) -> dict[str, float]:
+        """Load the ``kind`` weights a :meth:`TrainingBackend.export` published; a policy push makes
+        ``version`` the served weight version. A rejected push raises
+        :class:`~cotrain.rl.weight_transport.WeightPushError` and every engine keeps serving what
+        it served before. Returns timings."""
 
     def shutdown(self) -> None:  # noqa: B027 - optional
         pass
@@ -83,45 +92,65 @@ class PolicyLogprobs:
 
 
 class TrainingBackend(ABC):
+    """The policy's trainer (and the co-trained drafter's)."""
+
     @abstractmethod
-    def logprobs(self, batch: Any, draft_step: int | None = None) -> PolicyLogprobs:
+    def logprobs(self, batch: TrainBatch, draft_step: int | None = None) -> PolicyLogprobs:
         """Log-probabilities of the response tokens under the current policy. With ``draft_step``
         (co-training), the co-trained drafter takes its step ``draft_step`` on this very forward:
         its taps and the policy's detached logits."""
 
     @abstractmethod
-    def train_step(self, batch: Any) -> dict[str, float]:
-        """One optimizer step of the GRPO loss on ``batch``; returns metrics."""
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """The GRPO update on ``batch`` (whose ``old_logprobs`` / ``ref_logprobs`` are set): metrics
+        ``loss``, ``grad_norm``, ``clip_frac`` (and ``lr``, ``optimizer_steps``, ``kl_ref``)."""
 
     @abstractmethod
-    def named_weights(self, kind: WeightKind) -> dict[str, torch.Tensor]:
-        """Full (gathered) weights in the names the rollout engines load."""
-
-    @abstractmethod
-    def export(self, kind: WeightKind, version: int, transport: str) -> dict:
-        """Publish the ``kind`` weights through a weight transport; returns the receivers' handle
-        (free it with :meth:`release_export` once every engine has loaded it)."""
+    def export(self, kind: WeightKind, version: int) -> dict:
+        """Publish the current ``kind`` weights for the engines; returns the handle
+        :meth:`GenerationBackend.push_handle` loads. Free it with :meth:`release_export`."""
 
     @abstractmethod
     def release_export(self, handle: dict) -> None:
-        """Free what :meth:`export` published."""
+        """Free what :meth:`export` published (after the push, whether it succeeded or not)."""
+
+    @abstractmethod
+    def export_draft_dir(self, path: str) -> str:
+        """Write the co-trained drafter as a vLLM drafter directory (the engines' initial drafter)."""
+
+    @abstractmethod
+    def save_checkpoint(self, directory: str) -> None:
+        """Write everything the trainer needs to resume exactly (weights, optimizers, RNG) into ``directory``."""
+
+    @abstractmethod
+    def load_checkpoint(self, directory: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote."""
+
+    def connect(self, rollout: GenerationBackend) -> None:  # noqa: B027 - optional
+        """Called once, before the first push: set up what the weight path to ``rollout`` needs
+        (the ``nccl`` transport's broadcast group)."""
 
     def shutdown(self) -> None:  # noqa: B027 - optional
         pass
 
 
-class WeightTransport(ABC):
-    """How a set of named tensors travels from a trainer to an engine process."""
+class WorkerFactory(ABC):
+    """Builds a run's workers: the trainer first, then the engines (which may start with the
+    trainer's initial drafter)."""
 
-    name: str
-
-    @abstractmethod
-    def send(self, named_tensors: dict[str, torch.Tensor], version: int) -> dict:
-        """Publish the tensors; returns a small picklable handle for the receiver."""
+    def start(self) -> None:  # noqa: B027 - optional
+        """Called once before the workers are built (e.g. joining a cluster)."""
 
     @abstractmethod
-    def receive(self, handle: dict) -> dict[str, torch.Tensor]:
-        """Materialise the tensors on the receiving side."""
+    def trainer(self, model_path: str, draft_init: str | None) -> TrainingBackend:
+        """The trainer of the policy at ``model_path`` (and the co-trained drafter from ``draft_init``)."""
 
-    def release(self, handle: dict) -> None:  # noqa: B027 - optional
-        """Free what :meth:`send` allocated, once every receiver is done."""
+    @abstractmethod
+    def rollout(self, model_path: str, draft_model: str | None) -> GenerationBackend:
+        """The engines serving ``model_path`` (drafting with ``draft_model`` when given)."""
+
+    def check_alive(self, what: str) -> None:  # noqa: B027 - optional
+        """Raise :class:`~cotrain.placement.NodeDiedError` if a machine of the run has died."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Release what :meth:`start` reserved (after the workers shut down)."""

@@ -44,11 +44,10 @@ import queue
 import tempfile
 import threading
 import uuid
+from abc import ABC, abstractmethod
 from typing import Any, Iterable
 
 import torch
-
-from cotrain.rl.interfaces import WeightTransport
 
 TRANSPORTS = ("shm", "object_store", "cuda_ipc", "nccl")
 
@@ -57,6 +56,23 @@ Manifest = list[list[Any]]  # [[name, [dims...], dtype_name], ...]
 
 class WeightPushError(ValueError):
     """A weight push was rejected (names, shapes, dtypes or handle); the engine kept its weights."""
+
+
+class WeightTransport(ABC):
+    """How a set of named tensors travels from a trainer to an engine process."""
+
+    name: str
+
+    @abstractmethod
+    def send(self, named_tensors: dict[str, torch.Tensor], version: int) -> dict:
+        """Publish the tensors; returns a small picklable handle for the receiver."""
+
+    @abstractmethod
+    def receive(self, handle: dict) -> dict[str, torch.Tensor]:
+        """Materialise the tensors on the receiving side."""
+
+    def release(self, handle: dict) -> None:  # noqa: B027 - optional
+        """Free what :meth:`send` allocated, once every receiver is done."""
 
 
 # ------------------------------------------------------------------------------------ manifests
@@ -712,7 +728,7 @@ def total_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 __all__ = [
-    "TRANSPORTS", "VLLM_BACKENDS", "WeightPushError", "ShmTransport", "ObjectStoreTransport", "localize_handle",
+    "TRANSPORTS", "VLLM_BACKENDS", "WeightPushError", "WeightTransport", "ShmTransport", "ObjectStoreTransport", "localize_handle",
     "CudaIpcTransport", "NcclBroadcastTransport",
     "make_transport", "resolve_transport_name", "receiver_for", "check_manifest", "check_received",
     "check_vllm_handle", "update_info_manifest", "nccl_wire", "wire_safe_update_info", "restore_update_info", "manifest_of", "dtype_name", "dtype_from_name",

@@ -130,8 +130,10 @@ class TrainerGroup(TrainingBackend):
                     if s is not None]
         return state
 
-    def export(self, kind: str, version: int, transport: str) -> dict:
-        (handle,) = [h for h in self._all("export", kind, version, transport) if h is not None]
+    def export(self, kind: str, version: int) -> dict:
+        """Publish through ``rollout.weight_transport``; rank 0 holds the handle."""
+        (handle,) = [h for h in self._all("export", kind, version, self.cfg.rollout.weight_transport)
+                     if h is not None]
         return handle
 
     def export_draft_dir(self, path: str) -> str:
@@ -139,9 +141,12 @@ class TrainerGroup(TrainingBackend):
         (out,) = [p for p in self._all("export_draft_dir", str(path)) if p is not None]
         return out
 
-    def connect_weight_broadcast(self, rollout) -> None:
-        """Set up the ``nccl`` weight transport: trainer rank 0 plus every engine worker in one
-        dedicated group; both sides must join concurrently."""
+    def connect(self, rollout) -> None:
+        """The ``nccl`` weight transport: trainer rank 0 plus every engine worker of ``rollout`` (a
+        :class:`~cotrain.rl.rollout.RolloutGroup`) in one dedicated broadcast group, both sides
+        joining concurrently. Nothing to set up for the other transports."""
+        if self.cfg.rollout.weight_transport != "nccl":
+            return
         addr, port = ray.get(self.actors[0].rendezvous_address.remote())
         world = 1 + rollout.num_engines * rollout.spec.tensor_parallel_size
         engine_refs = rollout.init_broadcast_group(addr, port, world)

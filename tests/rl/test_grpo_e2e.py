@@ -168,7 +168,7 @@ import os, sys, time
 sys.path.insert(0, {root!r})
 import ray
 from cotrain.config import load_config
-from cotrain.rl.driver import init_ray
+from cotrain.rl.ray_workers import init_ray
 
 cfg = load_config({config!r}, ["cluster.ray_address=local", "cluster.cpus_per_node=2"])
 try:

@@ -148,10 +148,10 @@ def two_nodes(tmp_path_factory, cluster, one_node):
     try:
         run.setup(False)
         seen["setup_s"] = time.monotonic() - t0
-        seen["other"] = run.placement.node_ids[1]
+        seen["other"] = run.workers.placement.node_ids[1]
         other = nodes[seen["other"]]
         (seen["spare"],) = set(nodes) - {seen["other"]}
-        seen.update(placement=list(run.placement.node_ids), trainers=list(run.trainer.node_ids),
+        seen.update(placement=list(run.workers.placement.node_ids), trainers=list(run.trainer.node_ids),
                     engines=list(run.rollout.node_ids))
         cfg.grpo.num_steps = 2  # the loop stops after step 2 (the workers were built for 3 steps)
         run.train()
@@ -196,7 +196,7 @@ def resumed(cluster, two_nodes):
     try:
         run.setup(True)
         print(f"resume: setup {time.monotonic() - t0:.1f} s (Ray still reported the dead node alive: {ray_says_alive})")
-        seen = {"placement": list(run.placement.node_ids), "step": run.state.step,
+        seen = {"placement": list(run.workers.placement.node_ids), "step": run.state.step,
                 "trainers": list(run.trainer.node_ids), "engines": list(run.rollout.node_ids)}
         run.train()
     finally:

@@ -53,7 +53,7 @@ def test_trainer_export_reaches_a_colocated_engine(ray_gpu, tiny_model_path):
         lp = trainer.logprobs(batch)
         batch.old_logprobs = lp.logprobs
         trainer.train_step(batch)
-        handle = trainer.export("policy", 1, "cuda_ipc")
+        handle = trainer.export("policy", 1)  # rollout.weight_transport: cuda_ipc (colocated)
         assert handle["transport"] == "cuda_ipc" and "update_info" in handle
         try:
             engines.push_handle("policy", handle, 1)

@@ -1,0 +1,238 @@
+"""The real GRPO driver (cotrain.rl.driver.GrpoRun) on in-process fakes of its worker interfaces
+(cotrain.rl.interfaces): the algorithm's order of calls, the weight-push contract (versions, the
+drafter's push period, a rejected drafter push reported and not raised, exports always released),
+the batch the trainer gets (old log-probs, group advantages) and an exact resume of the prompt
+stream from a checkpoint. No Ray, no Megatron, no vLLM: a few seconds."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from cotrain.config import load_config
+from cotrain.rl.driver import GrpoRun
+from cotrain.rl.interfaces import (
+    GenerationBackend,
+    GenerationResult,
+    PolicyLogprobs,
+    Sample,
+    TrainingBackend,
+    WorkerFactory,
+)
+from cotrain.rl.weight_transport import WeightPushError
+
+ROOT = Path(__file__).resolve().parents[2]
+P, G, STEPS, PUSH_EVERY = 4, 4, 4, 2
+SEED = 0
+
+
+def _correct(seed: int, i: int, j: int) -> bool:
+    """Whether the fake policy answers sample j of prompt i correctly under sampling seed ``seed``."""
+    return (seed + 7 * i + 3 * j) % 5 < 2
+
+
+class FakeRollout(GenerationBackend):
+    def __init__(self, log: list, reject_draft: set[int] = frozenset(), fail_policy: set[int] = frozenset()):
+        self.log, self.reject_draft, self.fail_policy = log, reject_draft, fail_policy
+        self.version = 0
+
+    def generate(self, prompts, sampling, n):
+        self.log.append(("generate", tuple(prompts), sampling.seed, n))
+        samples = []
+        for i, prompt in enumerate(prompts):
+            answer = str(eval(prompt.rstrip("=")))  # the arithmetic task: "12+34="
+            row = []
+            for j in range(n):
+                text = answer if _correct(sampling.seed, i, j) else answer + "1"
+                ids = [3 + (ord(c) % 40) for c in text]
+                row.append(Sample(prompt_index=i, prompt_token_ids=[5] * len(prompt), token_ids=ids,
+                                  logprobs=[-0.25] * len(ids), text=text, finish_reason="stop",
+                                  weight_version=self.version))
+            samples.append(row)
+        return GenerationResult(samples, {"tokens_per_s": 1.0})
+
+    def push_handle(self, kind, handle, version):
+        self.log.append(("push", kind, handle["id"], version))
+        if kind == "policy" and version in self.fail_policy:
+            raise RuntimeError(f"engine lost during the policy push of version {version}")
+        if kind == "draft" and version in self.reject_draft:
+            raise WeightPushError(f"1 of 1 engines rejected the draft push of version {version}: shape mismatch")
+        if kind == "policy":
+            self.version = version
+        return {"push_s": 0.0}
+
+
+class FakeTrainer(TrainingBackend):
+    def __init__(self, log: list):
+        self.log = log
+        self.updates = 0
+        self.exports = 0
+        self.batches = []
+
+    def logprobs(self, batch, draft_step=None):
+        self.log.append(("logprobs", draft_step))
+        lp = batch.rollout_logprobs - 0.01 * batch.mask  # what the trainer recomputed
+        return PolicyLogprobs(lp, None, {"draft/loss": 2.0, "draft/time_s": 0.0} if draft_step else None)
+
+    def train_step(self, batch):
+        self.log.append(("train_step",))
+        self.batches.append(batch)
+        self.updates += 1
+        return {"loss": 0.5 * self.updates, "grad_norm": 1.0, "clip_frac": 0.0}
+
+    def export(self, kind, version):
+        self.exports += 1
+        handle = {"id": self.exports, "kind": kind, "version": version}
+        self.log.append(("export", kind, handle["id"], version))
+        return handle
+
+    def release_export(self, handle):
+        self.log.append(("release", handle["id"]))
+
+    def export_draft_dir(self, path):
+        self.log.append(("export_draft_dir",))
+        return path
+
+    def save_checkpoint(self, directory):
+        self.log.append(("save", Path(directory).name))
+        (Path(directory) / "fake_trainer.json").write_text(json.dumps({"updates": self.updates}))
+
+    def load_checkpoint(self, directory):
+        self.log.append(("load", Path(directory).name))
+        self.updates = json.loads((Path(directory) / "fake_trainer.json").read_text())["updates"]
+
+    def connect(self, rollout):
+        self.log.append(("connect",))
+
+
+class FakeWorkers(WorkerFactory):
+    def __init__(self, **rollout_faults):
+        self.log: list = []
+        self.rollout_faults = rollout_faults
+
+    def trainer(self, model_path, draft_init):
+        self.trainer_ = FakeTrainer(self.log)
+        return self.trainer_
+
+    def rollout(self, model_path, draft_model):
+        self.log.append(("rollout", draft_model is not None))
+        return FakeRollout(self.log, **self.rollout_faults)
+
+
+def _cfg(out: Path, *extra: str):
+    return load_config(str(ROOT / "configs/grpo.yaml"), [
+        f"run.output_dir={out}", f"run.seed={SEED}", f"grpo.num_steps={STEPS}", f"grpo.prompts_per_step={P}",
+        f"grpo.group_size={G}", "policy.micro_batch_size=4", "data.eval.every=0", "logging.tensorboard=false",
+        "logging.progress_bar=false", "checkpoint.every=2", "checkpoint.keep_last=null",
+        "draft.kind=dflash", "draft.cotrain=true", "rollout.speculative.method=dflash",
+        f"draft.push_every={PUSH_EVERY}", *extra])
+
+
+def _run(cfg, workers: FakeWorkers, resume=False) -> GrpoRun:
+    run = GrpoRun(cfg, workers=workers)
+    try:
+        run.setup(resume)
+        run.train()
+    finally:
+        run.shutdown()
+    return run
+
+
+def _push(kind: str, export_id: int, version: int) -> list:
+    return [("export", kind, export_id, version), ("push", kind, export_id, version), ("release", export_id)]
+
+
+def _metrics(out: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_the_driver_runs_the_algorithm_in_order(tmp_path):
+    workers = FakeWorkers()
+    run = _run(_cfg(tmp_path), workers)
+    expected = [("export_draft_dir",), ("rollout", True), ("connect",)]
+    exports = 0
+    for step in range(1, STEPS + 1):
+        generate = [e for e in workers.log if e[0] == "generate"][step - 1]
+        expected += [generate, ("logprobs", step), ("train_step",)]
+        exports += 1
+        expected += _push("policy", exports, step)  # after the update, labelled with the step
+        if step % PUSH_EVERY == 0:
+            exports += 1
+            expected += _push("draft", exports, step)
+        if step % 2 == 0:
+            expected.append(("save", f"step_{step:06d}"))
+    assert workers.log == expected
+    # every step's rollouts are sampled with the per-step seed, group_size samples of prompts_per_step prompts
+    gens = [e for e in workers.log if e[0] == "generate"]
+    assert [(len(g[1]), g[2], g[3]) for g in gens] == [(P, SEED * 1_000_003 + s, G) for s in range(1, STEPS + 1)]
+    m = _metrics(tmp_path)
+    assert sorted(m) == list(range(1, STEPS + 1))
+    assert [("draft/push_ok" in m[s]) for s in m] == [s % PUSH_EVERY == 0 for s in m]
+    assert all(m[s]["draft/push_ok"] == 1.0 for s in m if s % PUSH_EVERY == 0)
+    assert [m[s]["train/loss"] for s in m] == [0.5 * s for s in m]  # the trainer's metrics, step by step
+
+
+def test_the_trainer_gets_the_recomputed_logprobs_and_group_advantages(tmp_path):
+    workers = FakeWorkers()
+    _run(_cfg(tmp_path, "grpo.num_steps=2"), workers)
+    for step, batch in enumerate(workers.trainer_.batches, start=1):
+        seed = SEED * 1_000_003 + step
+        rewards = torch.tensor([[1.0 if _correct(seed, i, j) else 0.0 for j in range(G)] for i in range(P)],
+                               dtype=torch.float64)
+        adv = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)  # by hand
+        assert torch.allclose(batch.advantages, adv.flatten().float())
+        # the old log-probs are the trainer's own recomputation, not the engines' sampling log-probs
+        assert torch.equal(batch.old_logprobs, batch.rollout_logprobs - 0.01 * batch.mask)
+        assert batch.mask.sum() > 0
+    m = _metrics(tmp_path)
+    assert m[1]["kl/train_infer_max_abs_diff"] == pytest.approx(0.01)
+    assert m[1]["draft/loss"] == 2.0
+
+
+def test_a_rejected_drafter_push_is_reported_and_the_run_goes_on(tmp_path):
+    workers = FakeWorkers(reject_draft={2})
+    with pytest.warns(UserWarning, match=r"step 2: the drafter push was rejected, the engines keep serving the "
+                                         r"previous drafter \(1 rejected so far\).*shape mismatch"):
+        run = _run(_cfg(tmp_path), workers)
+    assert run.rejected_draft_pushes == 1
+    m = _metrics(tmp_path)
+    assert (m[2]["draft/push_ok"], m[4]["draft/push_ok"]) == (0.0, 1.0)
+    # every export is released, the rejected one too, right after its push
+    log = workers.log
+    for i, e in enumerate(log):
+        if e[0] == "export":
+            assert log[i + 1][:3] == ("push", e[1], e[2]) and log[i + 2] == ("release", e[2])
+
+
+def test_a_failed_policy_push_stops_the_run_and_still_releases_the_export(tmp_path):
+    workers = FakeWorkers(fail_policy={3})
+    with pytest.raises(RuntimeError, match="engine lost during the policy push of version 3"):
+        _run(_cfg(tmp_path), workers)
+    assert workers.log[-3:] == [("export", "policy", 4, 3), ("push", "policy", 4, 3), ("release", 4)]
+    assert sorted(_metrics(tmp_path)) == [1, 2]  # step 3 never counted
+    assert not (tmp_path / "checkpoints" / "step_000004").exists()
+
+
+def test_resume_continues_the_same_prompt_stream(tmp_path):
+    whole = FakeWorkers()
+    _run(_cfg(tmp_path / "a"), whole)
+    step2 = tmp_path / "a" / "checkpoints" / "step_000002"
+    assert step2.is_dir()
+    resumed = FakeWorkers()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no damaged-checkpoint fallback
+        _run(_cfg(tmp_path / "b", f"checkpoint.dir={tmp_path / 'a' / 'checkpoints'}"), resumed, resume=str(step2))
+    # the trainer's state comes back, then the engines get exactly the checkpointed policy and drafter
+    assert resumed.log[:3 + 1 + 6] == [("export_draft_dir",), ("rollout", True), ("connect",), ("load", "step_000002"),
+                                       *_push("policy", 1, 2), *_push("draft", 2, 2)]
+    gens = [e for e in whole.log if e[0] == "generate"]
+    assert [e for e in resumed.log if e[0] == "generate"] == gens[2:]  # steps 3 and 4: same prompts, same seeds
+    assert len({g[1] for g in gens}) == STEPS  # (the stream moves on: no step repeats another's prompts)
+    assert resumed.trainer_.updates == STEPS
+    a, b = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k != "rollout/tokens_per_s"}  # noqa: E731
+    assert [drop(b[s]) for s in (3, 4)] == [drop(a[s]) for s in (3, 4)]
