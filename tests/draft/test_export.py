@@ -111,35 +111,6 @@ def test_config_json_conventions(target, tmp_path):
     assert "layers.0.self_attn.q_proj.weight" in names and names["layers.1.self_attn.q_proj.weight"].shape == (Q, H)
 
 
-@pytest.mark.slow
-def test_dspark_export_runs_in_vllms_dspark_class(target, tiny_model_path, tmp_path, one_thread):
-    """vLLM serves DSpark only on GPU; on CPU its model class still loads our checkpoint, and its
-    modules reproduce our drafter's logits (Markov head included) and confidence."""
-    d = build_drafter("dspark", {"block_size": 4, "markov_rank": 8, "confidence_head": True}, target, seed=5)
-    with torch.no_grad():
-        for p in d.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    out = export_drafter(d, tmp_path / "dspark")
-    g = torch.Generator().manual_seed(1)
-    lens, anchors = [12, 9], [6, 4]
-    ids = torch.randint(4, 100, (sum(lens),), generator=g)
-    taps = torch.randn(sum(lens), d.num_taps * H, generator=g)
-    b = DraftBatch(ids, [0, 12, 21], taps, None, None, torch.tensor([3, 3]))
-    lay = d.build_layout(b, anchors=torch.tensor([anchors[0], lens[0] + anchors[1]]))
-    with torch.no_grad():
-        ours = d.eval()(b, lay)
-    seqs = [ids[:12], ids[12:]]
-    torch.save({"ids": seqs, "taps": [taps[:12], taps[12:]], "anchors": anchors, "block_size": 4}, tmp_path / "in.pt")
-    helper = Path(__file__).with_name("_vllm_dspark_forward.py")
-    res = subprocess.run([sys.executable, str(helper), str(out), str(tiny_model_path), str(tmp_path / "in.pt"),
-                          str(tmp_path / "out.pt")], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    theirs = torch.load(tmp_path / "out.pt")
-    assert theirs["config"] == {"markov_rank": 8, "block": 4, "layer_ids": [0, 3]}
-    torch.testing.assert_close(theirs["logits"], ours.logits, atol=2e-4, rtol=1e-4)
-    torch.testing.assert_close(theirs["confidence"], torch.sigmoid(ours.confidence), atol=1e-5, rtol=1e-5)
-
-
 def _by_hand(d, kind):
     """{vLLM name: the module parameter it must hold}, written out per family from vLLM's classes
     (Eagle3LlamaForCausalLM's midlayer, DFlash/DSpark's qwen3 layers), not from the drafter's name map."""
@@ -185,23 +156,118 @@ def test_each_exported_tensor_is_the_parameter_it_names(target, tmp_path, kind):
         assert torch.equal(mine[name].detach(), param.detach()), name
 
 
+# ----- vLLM's own classes (slow: one subprocess per family, shared by the tests below) --------------------
+VLLM_SETTINGS = {"eagle3": {"ttt_steps": 3}, "dflash": {"block_size": 5},
+                 "dspark": {"block_size": 4, "markov_rank": 8, "confidence_head": True}}
+LENS = [14, 11]  # two sequences, response from position 3
+
+
+def _perturbed(kind, target, seed):
+    """A drafter whose every tensor is moved off its initial value and whose norms are spread over
+    [0.5, 1.5] (near 1 two swapped norms would barely change the logits)."""
+    d = build_drafter(kind, VLLM_SETTINGS[kind], target, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            else:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return d
+
+
+@pytest.fixture(scope="module")
+def vllm_run(target, tiny_model_path, tmp_path_factory):
+    """kind -> {our drafter, our DraftOutput, the chains compared, batch, layout, vLLM's result}: our export loaded into vLLM's
+    class for the family and run there (tests/draft/_vllm_drafter.py), once per family."""
+    cache = {}
+
+    def run(kind):
+        if kind in cache:
+            return cache[kind]
+        tmp = tmp_path_factory.mktemp(f"vllm_{kind}")
+        d = _perturbed(kind, target, seed=5)
+        out = export_drafter(d, tmp / kind)
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(4, 100, (sum(LENS),), generator=g)
+        taps = torch.randn(sum(LENS), d.num_taps * H, generator=g)
+        cu = [0, LENS[0], sum(LENS)]
+        b = DraftBatch(ids, cu, taps, None, None, torch.tensor([3, 3]))
+        old = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            if kind == "eagle3":
+                lay = d.build_layout(b)
+                with torch.no_grad():
+                    ours = d.eval()(b, lay)
+                # every chain whose k teacher-forced drafts all exist: anchor p with p + k < its sequence's end
+                k = d.num_passes
+                end = torch.tensor([cu[1]] * LENS[0] + [cu[2]] * LENS[1])
+                keep = (ours.bonus_pos - 1 + k < end[ours.bonus_pos - 1]).nonzero().squeeze(1)
+                anchors = [[int(p) - cu[s] for p in ours.bonus_pos[keep] - 1 if cu[s] <= p < cu[s + 1]]
+                           for s in range(2)]
+                data = {"k": k}
+            else:
+                anchors = [[6, 9], [4]]  # sequence-local: DFlash B=5 runs to 13 < 14, DSpark B=4
+                lay = d.build_layout(b, anchors=torch.tensor([a + cu[s] for s in range(2) for a in anchors[s]]))
+                with torch.no_grad():
+                    ours = d.eval()(b, lay)
+                keep = torch.arange(ours.logits.shape[0])
+                data = {"block_size": d.block_size}
+        finally:
+            torch.set_num_threads(old)
+        assert sum(map(len, anchors)) == keep.numel() >= 3
+        torch.save({**data, "ids": [ids[cu[s]:cu[s + 1]] for s in range(2)],
+                    "taps": [taps[cu[s]:cu[s + 1]] for s in range(2)], "anchors": anchors}, tmp / "in.pt")
+        helper = Path(__file__).with_name("_vllm_drafter.py")
+        res = subprocess.run([sys.executable, str(helper), kind, str(out), str(tiny_model_path), str(tmp / "in.pt"),
+                              str(tmp / "out.pt")], capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        cache[kind] = {"drafter": d, "ours": ours, "keep": keep, "batch": b, "layout": lay,
+                       "theirs": torch.load(tmp / "out.pt")}
+        return cache[kind]
+
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "dspark"])
+def test_vllms_own_class_reproduces_our_logits(vllm_run, target, kind):
+    """Our export, loaded into vLLM's own model class (Eagle3LlamaForCausalLM, DFlashQwen3ForCausalLM,
+    Qwen3DSparkForCausalLM) and run through its modules as its proposer drafts (EAGLE-3: a context
+    forward, then one forward per draft on the previous pre-norm state; DFlash/DSpark: the fused
+    context K/V, then the block), gives our drafter's logits: every tensor sits where vLLM reads it
+    and our forward is the one vLLM serves. (vLLM serves DSpark only on GPU; on CPU its class still
+    runs.) Two norms swapped in a name map, a transposed fc, or a forward that drifts from vLLM's
+    (attention input order, RoPE positions, context norm) all move these logits."""
+    r = vllm_run(kind)
+    d, ours, keep, theirs = r["drafter"], r["ours"], r["keep"], r["theirs"]
+    mine = ours.logits[keep]
+    assert theirs["logits"].shape == mine.shape
+    torch.testing.assert_close(theirs["logits"], mine, atol=2e-4, rtol=1e-4)
+    # a tolerance that excludes wrong answers: another drafter of the family is far outside it
+    with torch.no_grad():
+        other = _perturbed(kind, target, seed=6).eval()(r["batch"], r["layout"]).logits[keep]
+    assert (theirs["logits"] - other).abs().max() > 100 * 2e-4
+    cfg = theirs["config"]
+    if kind == "eagle3":
+        assert cfg == {"aux_layer_ids": [t + 1 for t in d.tap_layers], "draft_vocab_size": V}
+    else:
+        assert cfg["layer_ids"] == d.tap_layers and cfg["causal"] == [False]
+    if kind == "dspark":
+        assert (cfg["markov_rank"], cfg["block"]) == (8, 4)
+        torch.testing.assert_close(theirs["confidence"], torch.sigmoid(ours.confidence[keep]), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
-def test_export_loads_into_vllms_own_class_by_role(target, tiny_model_path, tmp_path, kind):
+def test_export_loads_into_vllms_own_class_by_role(vllm_run, kind):
     """vLLM's own model class (Eagle3LlamaForCausalLM / DFlashQwen3ForCausalLM) loads our export
     with its load_weights, as when it serves the drafter; each of its parameters, by role, is ours
     (q/k/v and gate/up stacked as vLLM stacks them). A norm put under another norm's name lands in
     the wrong module here, which greedy serving tests do not see."""
-    d = build_drafter(kind, SETTINGS[kind], target, seed=1)
-    with torch.no_grad():
-        for i, p in enumerate(d.parameters()):
-            p.copy_(torch.randn_like(p) + i)
-    out = export_drafter(d, tmp_path / kind)
-    helper = Path(__file__).with_name("_vllm_load_params.py")
-    res = subprocess.run([sys.executable, str(helper), kind, str(out), str(tiny_model_path), str(tmp_path / "p.pt")],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    theirs = torch.load(tmp_path / "p.pt")
+    r = vllm_run(kind)
+    d, theirs = r["drafter"], r["theirs"]["params"]
     L = d.layers[0]
     at, mlp = L.self_attn, L.mlp
     want = {"model.layers.0.self_attn.qkv_proj.weight": torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]),
