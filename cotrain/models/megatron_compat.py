@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from cotrain.parallel.zigzag import zigzag_split
+
 # Expected on CPU (transformer-engine and apex are GPU-only extras); megatron repeats it per module.
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed")
 
@@ -205,11 +207,7 @@ def pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> to
     """Rotary embeddings of the two zigzag chunks this CP rank holds: r and 2C-1-r of 2C."""
     if cp_group is None:
         raise ValueError("cp_group must be provided to get positional embedding per CP rank")
-    cp_size, cp_rank = cp_group.size(), cp_group.rank()
-    idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
-    chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1 :])
-    chunks = chunks.index_select(seq_dim, idx)
-    return chunks.view(*chunks.shape[:seq_dim], -1, *chunks.shape[seq_dim + 2 :])
+    return zigzag_split(pos_emb, cp_group.size(), cp_group.rank(), dim=seq_dim)
 
 
 def is_active() -> bool:

@@ -89,6 +89,29 @@ def zigzag_index(cu_seqlens: torch.Tensor, cp_size: int, rank: int) -> torch.Ten
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
 
 
+def zigzag_positions(seq_len: int, cp_size: int, rank: int) -> torch.Tensor:
+    """The positions rank `rank` holds of a sequence of `seq_len` (divisible by 2C: no padding),
+    in local order: chunks r and 2C-1-r. The layout of zigzag_index for one sequence."""
+    if cp_size > 1 and seq_len % (2 * cp_size):
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2 x context parallel size {cp_size}")
+    return zigzag_index(torch.tensor([0, seq_len]), cp_size, rank)
+
+
+def zigzag_split(x: torch.Tensor, cp_size: int, rank: int, dim: int) -> torch.Tensor:
+    """Rank `rank`'s shard of `x` along its sequence dimension `dim` (size divisible by 2C): chunks
+    r and 2C-1-r (what Megatron's get_batch_on_this_cp_rank gives a rank)."""
+    return x.index_select(dim, zigzag_positions(x.shape[dim], cp_size, rank).to(x.device))
+
+
+def zigzag_merge(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """Inverse of zigzag_split: the whole sequences from every rank's shard (rank order)."""
+    cp_size = len(parts)
+    seq_len = sum(p.shape[dim] for p in parts)
+    order = torch.cat([zigzag_positions(seq_len, cp_size, r) for r in range(cp_size)])
+    stacked = torch.cat(list(parts), dim)
+    return stacked.index_select(dim, torch.argsort(order).to(stacked.device))
+
+
 def anchor_owner(cu_seqlens: torch.Tensor, anchors: torch.Tensor, cp_size: int) -> torch.Tensor:
     """Rank that holds each anchor (a packed main position) under the zigzag layout."""
     if cp_size == 1 or anchors.numel() == 0:

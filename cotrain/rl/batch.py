@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from cotrain.parallel.zigzag import zigzag_split
 from cotrain.rl.interfaces import Sample
 
 
@@ -42,23 +43,13 @@ class TrainBatch:
                              for f in fields(self)})
 
     def zigzag(self, rank: int, cp: int) -> "TrainBatch":
-        """Context-parallel shard: chunks ``rank`` and ``2cp-1-rank`` of 2cp along the sequence."""
-        if self.seq_len % (2 * cp):
-            raise ValueError(f"sequence length {self.seq_len} is not divisible by 2 x context parallel size {cp}")
-        c = self.seq_len // (2 * cp)
-        idx = torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+        """Context-parallel shard: chunks ``rank`` and ``2cp-1-rank`` of 2cp along the sequence
+        (:func:`cotrain.parallel.zigzag.zigzag_split`)."""
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            out[f.name] = v[:, idx].contiguous() if v is not None and v.dim() == 2 else v
+            out[f.name] = zigzag_split(v, cp, rank, dim=1) if v is not None and v.dim() == 2 else v
         return TrainBatch(**out)
-
-    @staticmethod
-    def unzigzag(parts: list[torch.Tensor]) -> torch.Tensor:
-        """Inverse of :meth:`zigzag` for one [n, S/cp] tensor from each CP rank (rank order)."""
-        cp = len(parts)
-        halves = [p.chunk(2, dim=1) for p in parts]
-        return torch.cat([halves[r][0] for r in range(cp)] + [halves[r][1] for r in reversed(range(cp))], dim=1)
 
     def split(self, parts: int) -> list["TrainBatch"]:
         if len(self) % parts:

@@ -29,6 +29,7 @@ from cotrain.models.hf_io import load_hf_checkpoint
 from cotrain.models.megatron_compat import model_parallel_manual_seed
 from cotrain.models.megatron_model import (build_gpt_model, gpt_layer_spec, layer_offset, load_hf_weights,
                                            tensor_state, transformer_config)
+from cotrain.parallel.zigzag import zigzag_merge
 from cotrain.rl.batch import TrainBatch
 from cotrain.rl.grpo import aggregate, grpo_token_losses
 from cotrain.rl.sampling_filter import filter_active, keep_mask
@@ -141,7 +142,7 @@ class MegatronPolicyWorker:
             return local
         parts = [torch.empty_like(local) for _ in range(cp)]
         dist.all_gather(parts, local.contiguous(), group=ps.get_context_parallel_group())
-        return TrainBatch.unzigzag(parts)
+        return zigzag_merge(parts, dim=1)
 
     # ------------------------------------------------------------------ forward machinery
     def _token_logprobs(self, model, mb: TrainBatch, on_logits=None) -> torch.Tensor:

@@ -24,3 +24,40 @@ def test_build_batch_layout_by_hand():
     assert batch.lengths.tolist() == [6, 3] and batch.advantages.tolist() == [1.0, -1.0]
     # the masked targets are exactly the response tokens
     assert batch.targets[batch.mask.bool()].tolist() == [8, 9, 2, 4]
+
+
+def test_context_parallel_shards_by_hand():
+    """The one zigzag implementation (cotrain.parallel.zigzag) as the trainer uses it: TrainBatch.zigzag,
+    the CP gather's zigzag_merge and the rotary embeddings' split, against chunks cut by hand."""
+    import pytest
+
+    from cotrain.models.megatron_compat import pos_emb_on_this_cp_rank
+    from cotrain.parallel.zigzag import zigzag_merge
+
+    a = _sample([1, 2, 3], [4, 5, 6, 7, 8], [-0.1] * 5)
+    batch = build_batch([a, a], [1.0, -1.0], pad_id=0, multiple_of=8)  # S = 8: 2C = 4 chunks of 2 at C = 2
+    row = batch.inputs[0].tolist()
+    assert row == [1, 2, 3, 4, 5, 6, 7, 8]
+    shards = [batch.zigzag(r, 2) for r in range(2)]
+    assert shards[0].inputs[0].tolist() == [1, 2, 7, 8]  # chunks 0 and 3
+    assert shards[1].inputs[0].tolist() == [3, 4, 5, 6]  # chunks 1 and 2
+    assert shards[1].mask[0].tolist() == batch.mask[0, 2:6].tolist() and shards[0].advantages is batch.advantages
+    for cp in (1, 2, 4):
+        parts = [batch.zigzag(r, cp).targets for r in range(cp)]
+        assert torch.equal(zigzag_merge(parts, dim=1), batch.targets)
+    with pytest.raises(ValueError, match="not divisible by 2 x context parallel size 3"):
+        batch.zigzag(0, 3)
+
+    class Group:  # a CP process group's size and rank
+        def __init__(self, rank):
+            self._rank = rank
+
+        def size(self):
+            return 2
+
+        def rank(self):
+            return self._rank
+
+    emb = torch.arange(8.0).view(8, 1, 1, 1) * torch.ones(8, 1, 1, 3)  # [s, b, 1, dim]
+    assert pos_emb_on_this_cp_rank(emb, 0, Group(0))[:, 0, 0, 0].tolist() == [0, 1, 6, 7]
+    assert pos_emb_on_this_cp_rank(emb, 0, Group(1))[:, 0, 0, 0].tolist() == [2, 3, 4, 5]
