@@ -115,6 +115,12 @@ MUTANTS: list[Mutant] = [
     M("rl.top_k_off_by_one", "cotrain/rl/sampling_filter.py",
       "kth = srt[:, V - top_k:V - top_k + 1]", "kth = srt[:, V - top_k - 1:V - top_k]",
       ["tests/rl/test_sampling_filter.py", "-k", "kept_set"], "top-k keeps k + 1 tokens"),
+    M("rl.plot_trend_window", "cotrain/rl/plot.py",
+      "ax.plot(xs, moving_average(ys, 10),", "ax.plot(xs, moving_average(ys, 9),",
+      ["tests/rl/test_plot.py"], "the curves' trend is a 9-step mean labelled 10-step"),
+    M("rl.plot_drops_first_point", "cotrain/rl/plot.py",
+      "xs, ys = [p[0] for p in pts], [p[1] for p in pts]", "xs, ys = [p[0] for p in pts][1:], [p[1] for p in pts][1:]",
+      ["tests/rl/test_plot.py"], "each curve loses its first logged step"),
     # ----- cotrain/tapchannel: stamps, slots, release ----------------------------------------------------
     M("tap.stale_stamp_accepted", "cotrain/tapchannel/mailbox.py",
       "        if before != seq + 1:\n            raise self._err(TapLappedError if before > seq + 1",

@@ -47,13 +47,22 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
+#: resolution of the PNG that :func:`plot_run` writes
+DPI = 110
+
+
+def run_figure(run_dir: str | Path):
+    """The figure of ``<run_dir>/metrics.jsonl`` (what :func:`plot_run` saves)."""
+    return make_figure(read_metrics(run_dir), f"cotrain run: {Path(run_dir).name}")
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Draw ``<run_dir>/metrics.jsonl`` to ``out`` (default ``<run_dir>/curves.png``)."""
     import matplotlib.pyplot as plt
 
-    fig = make_figure(read_metrics(run_dir), f"cotrain run: {Path(run_dir).name}")
+    fig = run_figure(run_dir)
     out = Path(out) if out else Path(run_dir) / "curves.png"
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=DPI)
     plt.close(fig)
     return out
 

@@ -1,10 +1,12 @@
-"""The curves: which panels a run gets, and the train-inference KL on its own log axis."""
+"""The curves: which panels a run gets, that every line is the run's logged metric (and its trend
+the trailing mean), the train-inference KL on its own log axis, and that the PNG is that figure."""
 
 import json
+import struct
 
 import pytest
 
-from cotrain.rl.plot import make_figure, plot_run, select_panels
+from cotrain.rl.plot import DPI, make_figure, plot_run, run_figure, select_panels
 
 
 def _grpo_rows(n=12):
@@ -51,11 +53,70 @@ def test_cotraining_run_gets_acceptance_drafter_loss_and_draft_time_panels():
     assert _labels(_axes(make_figure(rows))["acceptance length"]) == {"draft/acceptance_offline"}
 
 
-def test_plot_run_writes_a_png_even_after_a_line_cut_mid_write(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _cotrain_rows()) + '{"step": 13, "rew')
-    with pytest.warns(UserWarning, match="metrics.jsonl:13"):
+def _trailing_mean(ys, w=10):
+    return [sum(ys[max(0, i - w + 1):i + 1]) / len(ys[max(0, i - w + 1):i + 1]) for i in range(len(ys))]
+
+
+def _lines(ax):
+    """{label: (xs, ys)} of an axis's lines."""
+    return {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax.get_lines()}
+
+
+def _uneven_rows():
+    """Metrics that differ per step, logged on some steps only (eval every 3rd step, the drafter's
+    loss from step 4: a drafter that skipped its first steps), 14 steps (> 10: trends drawn)."""
+    rows = []
+    for s in range(1, 15):
+        r = {"step": s, "reward/mean": 0.3 + 0.05 * ((s * 7) % 5), "kl/ref": 0.002 * s * s,
+             "kl/train_infer": 1e-9 * (1 + (s % 4)), "time/rollout": 1.0 + 0.1 * (s % 3), "time/update": 2.0 + s / 50,
+             "spec/acceptance_length": 1.5 + 0.1 * (s % 6)}
+        if s % 3 == 0:
+            r["eval/accuracy"] = 0.2 + s / 100
+        if s >= 4:
+            r["draft/loss"] = 5.0 / s
+        rows.append(r)
+    return rows
+
+
+def test_every_line_is_the_logged_metric_and_its_trend_the_trailing_mean():
+    rows = _uneven_rows()
+    axes = _axes(make_figure(rows))
+    assert set(axes) == {"reward", "KL to reference", "train-inference KL", "acceptance length", "drafter loss",
+                         "seconds per step"}
+    for title, keys, scale in select_panels(rows):
+        ax = axes[title]
+        assert ax.get_xlabel() == "step" and ax.get_yscale() == scale
+        lines = _lines(ax)
+        for k in keys:
+            xs = [r["step"] for r in rows if k in r]
+            ys = [r[k] for r in rows if k in r]
+            assert lines[k] == (xs, ys), k  # the logged values at their own steps, none invented, none lost
+            if len(xs) > 10:
+                tx, ty = lines[f"{k} (10-step mean)"]
+                assert tx == xs and ty == pytest.approx(_trailing_mean(ys)), k
+            else:  # eval/accuracy: 4 points, no trend (the drafter's loss, 11 points from step 4, has one)
+                assert f"{k} (10-step mean)" not in lines, k
+        # the legend names exactly the lines drawn
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == [ln.get_label() for ln in ax.get_lines()]
+    assert axes["train-inference KL"].get_yscale() == "log" and axes["KL to reference"].get_yscale() == "linear"
+
+
+def test_plot_run_draws_metrics_jsonl_even_after_a_line_cut_mid_write(tmp_path):
+    rows = _uneven_rows()
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 15, "rew')
+    with pytest.warns(UserWarning, match="metrics.jsonl:15"):
+        fig = run_figure(tmp_path)
+    assert fig._suptitle.get_text() == f"cotrain run: {tmp_path.name}"
+    reward = _lines(_axes(fig)["reward"])  # the complete rows, the cut one left out
+    assert reward["reward/mean"] == ([r["step"] for r in rows], [r["reward/mean"] for r in rows])
+    with pytest.warns(UserWarning, match="metrics.jsonl:15"):
         out = plot_run(tmp_path)
-    assert out == tmp_path / "curves.png" and out.read_bytes()[:4] == b"\x89PNG"
+    assert out == tmp_path / "curves.png"
+    png = out.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
+    w, h = struct.unpack(">II", png[16:24])  # the PNG is that figure at plot_run's resolution
+    fw, fh = fig.get_size_inches()
+    assert (w, h) == (round(fw * DPI), round(fh * DPI))
 
 
 def test_figure_title_is_the_runs():
