@@ -216,6 +216,10 @@ MUTANTS: list[Mutant] = [
     M("draft.accept_lengths_not_leading", "cotrain/draft/acceptance.py",
       "return 1 + torch.cumprod(m, dim=1).sum(dim=1)", "return 1 + m.sum(dim=1)",
       ["tests/draft/test_acceptance.py", "-m", "not slow"], "acceptance counts every match, not the leading run"),
+    M("draft.online_acceptance_unmapped", "cotrain/draft/online.py",
+      "                drafted = vocab.to_target(drafted)\n", "                drafted = drafted\n",
+      ["tests/draft/test_draft_vocab.py", "-k", "online_step_equals"],
+      "the online trainer's offline acceptance compares draft ids with target tokens (reduced vocabulary)"),
     # ----- cotrain/parallel: LSE merge, zigzag --------------------------------------------------------------
     M("parallel.lse_weight_sign", "cotrain/parallel/lse.py",
       "torch.sigmoid(block_lse - lse)", "torch.sigmoid(lse - block_lse)",
