@@ -356,9 +356,10 @@ class _CPBranchAttention(torch.autograd.Function):
         lse = torch.full(q_all.shape[:2], float("-inf"), dtype=ctype, device=k.device)
         kv = torch.stack([k, v])
         comm = RingComm(group, tag=0) if C > 1 else None
+        kv_recv = [torch.empty_like(kv) for _ in range(2)] if C > 1 else None  # one in flight, one in use
         for step in range(C):
             if step + 1 < C:
-                next_kv = comm.send_recv(kv)
+                next_kv = comm.send_recv(kv, kv_recv[step % 2])
                 comm.commit()
             src = (rank - step) % C
             mask = plan.ring_masks[src]
@@ -380,6 +381,7 @@ class _CPBranchAttention(torch.autograd.Function):
             stats.pairs_computed += sum(m.pairs_computed() for m in masks)
             stats.pairs_allowed += sum(m.pairs_allowed() for m in masks)
         ctx.save_for_backward(q, k, v, bq, bk, bv, out, lse)
+        ctx.set_materialize_grads(False)
         ctx.plan, ctx.group, ctx.kernel, ctx.scale, ctx.stats = plan, group, kernel, scale, stats
         ctx.grad_comm_dtype = grad_comm_dtype or ctype
         bout, blse = out[M:].to(bq.dtype, copy=True), lse[M:].clone()
@@ -389,65 +391,74 @@ class _CPBranchAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        """Every accumulator is allocated once per backward: dQ (all query rows), our own shard's
+        dK/dV, two dK/dV buffers for the shards that travel (one filled while the other is in
+        flight) and the two receive buffers of each ring; each ring step adds into them."""
         q, k, v, bq, bk, bv, out, lse = ctx.saved_tensors
         plan, group, kernel, scale = ctx.plan, ctx.group, ctx.kernel, ctx.scale
         C, rank, M = plan.cp_size, plan.rank, plan.main_rows
         ctype, comm_dtype = compute_dtype(k.dtype), ctx.grad_comm_dtype
-        if q is None:
-            q_all, (dout_all, dlse_all) = bq, grads
-            dout_all, dlse_all = dout_all.to(ctype), dlse_all.to(ctype)
-        else:
-            dout, dlse, dbout, dblse = grads
-            q_all = torch.cat([q, bq]) if bq.shape[0] else q
-            dout_all = torch.cat([dout, dbout]).to(ctype)
-            dlse_all = torch.cat([dlse, dblse]).to(ctype)
+        q_all = bq if q is None else (torch.cat([q, bq]) if bq.shape[0] else q)
+        # gradients autograd did not materialise (set_materialize_grads(False)): outputs the loss does
+        # not use; no LSE gradient at all lets the fused kernels run without a check per step
+        douts = (grads[0], grads[2]) if q is not None else (grads[0],)
+        dlses = (grads[1], grads[3]) if q is not None else (grads[1],)
+        rows = (M, bq.shape[0]) if q is not None else (bq.shape[0],)
+        dout_all = torch.cat([torch.zeros(n, *q_all.shape[1:], dtype=ctype, device=k.device) if g is None
+                              else g.to(ctype) for g, n in zip(douts, rows)])
+        dlse_all = None
+        if any(g is not None for g in dlses):
+            dlse_all = torch.cat([torch.zeros(n, q_all.shape[1], dtype=ctype, device=k.device) if g is None
+                                  else g.to(ctype) for g, n in zip(dlses, rows)])
         dq_all = torch.zeros(q_all.shape, dtype=ctype, device=k.device)
-        dbk = torch.zeros(bk.shape, dtype=ctype, device=bk.device)
-        dbv = torch.zeros(bv.shape, dtype=ctype, device=bv.device)
 
         kv = torch.stack([k, v])
-        kv_comm = RingComm(group, tag=1) if C > 1 else None
-        dkv_comm = RingComm(group, tag=2) if C > 1 else None
-        own_dkv = travelling = None
+        own_dkv = torch.zeros(kv.shape, dtype=ctype, device=k.device)
+        if C > 1:
+            kv_comm, dkv_comm = RingComm(group, tag=1), RingComm(group, tag=2)
+            kv_recv = [torch.empty_like(kv) for _ in range(2)]
+            dkv_bufs = [torch.empty_like(own_dkv) for _ in range(2)]
+            dkv_recv = [torch.empty(kv.shape, dtype=comm_dtype, device=k.device) for _ in range(2)]
+            dkv_send = [torch.empty_like(r) for r in dkv_recv] if comm_dtype != ctype else dkv_bufs
+        travelling = None
         for step in range(C):
             if step + 1 < C:
-                next_kv = kv_comm.send_recv(kv)
+                next_kv = kv_comm.send_recv(kv, kv_recv[step % 2])
                 kv_comm.commit()
-            src = (rank - step) % C
-            mask = plan.ring_masks[src]
-            if mask.tiles:
-                dq_b, dk_b, dv_b = kernel.backward(dout_all, q_all, kv[0], kv[1], out, lse, mask, scale, dlse_all)
-                dq_all += dq_b
-                block = torch.stack([dk_b, dv_b])
-            else:  # nothing seen in that shard: a zero part, which still travels (the ring must not stall)
-                block = torch.zeros(kv.shape, dtype=ctype, device=k.device)
+            # step 0: our own shard, kept here until its visitors' sum comes home; later steps: the
+            # visiting shard's dK/dV, summed with what its earlier visitors sent, then sent on
+            acc = own_dkv if step == 0 else dkv_bufs[step % 2].zero_()
+            mask = plan.ring_masks[(rank - step) % C]
+            if mask.tiles:  # none: nothing seen in that shard, a zero part still travels
+                kernel.backward(dout_all, q_all, kv[0], kv[1], out, lse, mask, scale, dlse_all,
+                                grads=(dq_all, acc[0], acc[1]))
             if step == 0 and plan.intra_mask is not None:
-                dbq_b, dbk, dbv = _intra_backward(
-                    kernel, dout_all[M:], bq, bk, bv, out[M:], lse[M:], plan, scale, dlse_all[M:]
-                )
+                dlse_b = None if dlse_all is None else dlse_all[M:]
+                dbq_b, dbk, dbv = _intra_backward(kernel, dout_all[M:], bq, bk, bv, out[M:], lse[M:], plan, scale, dlse_b)
                 dq_all[M:] += dbq_b
-            if step == 0:
-                own_dkv = block  # our own shard: kept here until its visitors' sum comes home
-            else:
-                # Shard src's dK/dV, summed over the ranks that held it at steps 1 .. step-1.
+            if step > 0:
                 if step > 1:
                     dkv_comm.wait()
-                    block = travelling + block
+                    acc += travelling
+                send = dkv_send[step % 2]
+                if send is not acc:
+                    send.copy_(acc)
                 # to the next visitor, or home after the last step (in grad_comm_dtype)
-                travelling = dkv_comm.send_recv(block.to(comm_dtype))
+                travelling = dkv_comm.send_recv(send, dkv_recv[step % 2])
                 dkv_comm.commit()
             if step + 1 < C:
                 kv_comm.wait()
                 kv = next_kv
         if C > 1:
             dkv_comm.wait()  # our own shard's dK/dV from ranks r+1 .. r+C-1
-            own_dkv = own_dkv + travelling.to(ctype)
-        dkv = own_dkv
+            own_dkv += travelling
+        if plan.intra_mask is None:
+            dbk, dbv = torch.zeros(bk.shape, dtype=ctype, device=bk.device), torch.zeros(bv.shape, dtype=ctype, device=bv.device)
         if ctx.stats is not None and C > 1:
             ctx.stats.bytes_sent_backward += kv_comm.bytes_sent + dkv_comm.bytes_sent
         dq = None if q is None else dq_all[:M].to(q.dtype)
         return (
-            dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype),
+            dq, own_dkv[0].to(k.dtype), own_dkv[1].to(v.dtype),
             dq_all[M:].to(bq.dtype), dbk.to(bk.dtype), dbv.to(bv.dtype),
             None, None, None, None, None, None,
         )

@@ -34,6 +34,7 @@ kernel with only forward / backward (the BlockKernel protocol) gets one exact ti
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -42,6 +43,8 @@ import torch
 from cotrain.parallel import blockdiag
 from cotrain.parallel.blockdiag import BlockDiagonal, compute_dtype
 from cotrain.parallel.lse import merge_lse_
+
+Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # dq, dk, dv
 
 FULL, CAUSAL, MASKED, REPEAT_CAUSAL = "full", "causal", "masked", "repeat_causal"
 # What one more tile costs a kernel, in query-key pairs: the plan gives branches exact tiles of their
@@ -127,8 +130,20 @@ class BlockKernel(Protocol):
     def backward(
         self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, mask: BlockMask, scale: float, dlse: Optional[torch.Tensor] = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Gradients (fp32) w.r.t. q, k, v of this block, given each row's final out and lse."""
+        grads: Optional[Grads] = None,
+    ) -> Grads:
+        """Gradients (fp32) w.r.t. q, k, v of this block, given each row's final out and lse, added
+        into ``grads`` (dq, dk, dv accumulators in the accumulation dtype, shaped like q, k, v) and
+        returned; grads=None allocates zeros. The ring passes the same accumulators at every step, so
+        a backward allocates them once."""
+
+
+def _accumulators(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grads: Optional[Grads]) -> Grads:
+    """grads, or zeros shaped like q, k, v in the accumulation dtype."""
+    if grads is not None:
+        return grads
+    ctype = compute_dtype(q.dtype)
+    return tuple(torch.zeros(t.shape, dtype=ctype, device=t.device) for t in (q, k, v))
 
 
 def _heads(q: torch.Tensor, hk: int, ctype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -180,14 +195,14 @@ class TorchBlockKernel:
             merge_lse_(out[rows], lse[rows], _unheads(tile_out), _unheads(tile_lse))
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, mask: BlockMask, scale: float, dlse=None):
+    def backward(self, dout, q, k, v, out, lse, mask: BlockMask, scale: float, dlse=None, grads=None):
         hk, ctype = k.shape[1], compute_dtype(q.dtype)
+        dq, dk, dv = _accumulators(q, k, v, grads)
+        if not mask.tiles:
+            return dq, dk, dv
         delta = (dout.to(ctype) * out.to(ctype)).sum(-1)  # (Nq, H)
         if dlse is not None:
             delta = delta - dlse.to(ctype)
-        dq = torch.zeros(q.shape, dtype=ctype, device=q.device)
-        dk = torch.zeros(k.shape, dtype=ctype, device=k.device)
-        dv = torch.zeros(v.shape, dtype=ctype, device=v.device)
         for tile in mask.tiles:
             rows, cols = slice(tile.q0, tile.q1), slice(tile.k0, tile.k1)
             qt, kt, s = self._scores(q, k, mask, tile, scale)
@@ -243,11 +258,11 @@ class _FusedTileKernel:
             self._fused_forward(q, k, v, mask, fused, scale, out, lse)
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, mask: BlockMask, scale: float, dlse=None):
+    def backward(self, dout, q, k, v, out, lse, mask: BlockMask, scale: float, dlse=None, grads=None):
         if not self._usable(q) or (dlse is not None and bool(dlse.any())):
-            return self._torch.backward(dout, q, k, v, out, lse, mask, scale, dlse)
+            return self._torch.backward(dout, q, k, v, out, lse, mask, scale, dlse, grads)
         fused, rest = self._split(mask)
-        dq, dk, dv = self._torch.backward(dout, q, k, v, out, lse, rest, scale)
+        dq, dk, dv = self._torch.backward(dout, q, k, v, out, lse, rest, scale, None, grads)
         if fused:
             self._fused_backward(dout, q, k, v, out, lse, mask, fused, scale, dq, dk, dv)
         return dq, dk, dv
@@ -341,15 +356,32 @@ class FlashVarlenBlockKernel(_FusedTileKernel):
     Every eligible tile becomes one varlen "sequence" (its query rows and key rows gathered), so one
     flash call per tile kind covers a whole block, and exact per-branch tiles cost nothing extra
     (tile_cost_pairs = 0). repeat_causal tiles go to the torch kernel.
-    NOTE: written against flash-attn 2.x's varlen interface; not exercised in CPU-only CI.
+
+    Calls, all by keyword (flash-attn 2.6 - 2.8; signatures read from Dao-AILab/flash-attention
+    2.8.3's ``flash_attn_interface.py``): the forward is the public ``flash_attn_varlen_func`` with
+    ``return_attn_probs=True`` (it returns ``(out, softmax_lse, S_dmask)``; S_dmask is empty without
+    dropout); the backward is ``_flash_attn_varlen_backward``, the function flash-attn's own autograd
+    calls: the public API has no backward that takes the rows' *merged* (out, lse), which the ring
+    needs (ring-flash-attention calls the same function). Its keywords are checked against the
+    installed version when the kernel is built (flash-attn < 2.6 took ``window_size`` as a tuple):
+    a mismatch raises ImportError naming the missing parameters, and ``default_kernel`` falls back
+    to the torch kernel with a warning. NOTE: not exercised in CPU-only CI (no GPU here).
     """
 
     tile_cost_pairs = 0
+    _BACKWARD_KEYWORDS = ("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "cu_seqlens_q",
+                          "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale", "causal",
+                          "window_size_left", "window_size_right", "softcap", "alibi_slopes", "deterministic")
 
     def __init__(self) -> None:
-        from flash_attn import flash_attn_varlen_func  # noqa: F401  (fails early if absent)
-        from flash_attn.flash_attn_interface import _flash_attn_varlen_backward  # noqa: F401
+        from flash_attn import flash_attn_varlen_func
+        from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
 
+        missing = [name for name in self._BACKWARD_KEYWORDS if name not in _parameters(_flash_attn_varlen_backward)]
+        if missing:
+            raise ImportError(f"flash_attn._flash_attn_varlen_backward has no parameter(s) {', '.join(missing)}: "
+                              "FlashVarlenBlockKernel needs flash-attn 2.6 - 2.8")
+        self._fwd, self._bwd = flash_attn_varlen_func, _flash_attn_varlen_backward
         super().__init__()
 
     def _usable(self, q):
@@ -369,37 +401,44 @@ class FlashVarlenBlockKernel(_FusedTileKernel):
         ki = torch.cat([torch.arange(t.k0, t.k1) for t in tiles]).to(device)
         cq = torch.tensor([0] + [t.q1 - t.q0 for t in tiles], device=device).cumsum(0).to(torch.int32)
         ck = torch.tensor([0] + [t.k1 - t.k0 for t in tiles], device=device).cumsum(0).to(torch.int32)
-        return qi, ki, cq, ck, max(t.q1 - t.q0 for t in tiles), max(t.k1 - t.k0 for t in tiles)
+        rows = [0] + torch.tensor([t.q1 - t.q0 for t in tiles]).cumsum(0).tolist()  # host copy of cq
+        return qi, ki, cq, ck, rows, max(t.q1 - t.q0 for t in tiles), max(t.k1 - t.k0 for t in tiles)
 
     def _fused_forward(self, q, k, v, mask, tiles, scale, out, lse):
-        from flash_attn import flash_attn_varlen_func
-
         for group, causal, window in self._groups(mask, tiles):
-            qi, ki, cq, ck, mq, mk = self._gather(group, q.device)
-            o, l, _ = flash_attn_varlen_func(
-                q[qi], k[ki], v[ki], cq, ck, mq, mk, dropout_p=0.0, softmax_scale=scale, causal=causal,
-                window_size=window, return_attn_probs=True,
+            qi, ki, cq, ck, rows, mq, mk = self._gather(group, q.device)
+            o, l, _ = self._fwd(
+                q=q[qi], k=k[ki], v=v[ki], cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq, max_seqlen_k=mk,
+                dropout_p=0.0, softmax_scale=scale, causal=causal, window_size=window, return_attn_probs=True,
             )
             l = l.transpose(0, 1).float()  # (total_q, H)
             # Tiles of one group may share query rows: merge them one tile at a time.
             for idx, t in enumerate(group):
-                a, b = int(cq[idx]), int(cq[idx + 1])
+                a, b = rows[idx], rows[idx + 1]
                 merge_lse_(out[t.q0 : t.q1], lse[t.q0 : t.q1], o[a:b].float(), l[a:b])
 
     def _fused_backward(self, dout, q, k, v, out, lse, mask, tiles, scale, dq, dk, dv):
-        from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
-
         for group, causal, window in self._groups(mask, tiles):
-            qi, ki, cq, ck, mq, mk = self._gather(group, q.device)
+            qi, ki, cq, ck, _, mq, mk = self._gather(group, q.device)
             qg, kg, vg = q[qi], k[ki], v[ki]
             dqg, dkg, dvg = torch.empty_like(qg), torch.empty_like(kg), torch.empty_like(vg)
-            _flash_attn_varlen_backward(
-                dout[qi].to(q.dtype), qg, kg, vg, out[qi].to(q.dtype), lse[qi].transpose(0, 1).contiguous(),
-                dqg, dkg, dvg, cq, ck, mq, mk, 0.0, scale, causal, window[0], window[1], 0.0, None, False, None,
+            self._bwd(
+                dout=dout[qi].to(q.dtype), q=qg, k=kg, v=vg, out=out[qi].to(q.dtype),
+                softmax_lse=lse[qi].transpose(0, 1).contiguous(), dq=dqg, dk=dkg, dv=dvg,
+                cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq, max_seqlen_k=mk, dropout_p=0.0,
+                softmax_scale=scale, causal=causal, window_size_left=window[0], window_size_right=window[1],
+                softcap=0.0, alibi_slopes=None, deterministic=False,
             )
             dq.index_add_(0, qi, dqg.float())
             dk.index_add_(0, ki, dkg.float())
             dv.index_add_(0, ki, dvg.float())
+
+
+def _parameters(fn) -> set[str]:
+    """Parameter names of fn (a torch.library custom op keeps the Python function in _init_fn)."""
+    import inspect
+
+    return set(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
 
 
 def default_kernel(device: torch.device | str | None = None) -> BlockKernel:
@@ -408,7 +447,9 @@ def default_kernel(device: torch.device | str | None = None) -> BlockKernel:
     if device.type == "cuda":
         try:
             return FlashVarlenBlockKernel()
-        except ImportError:
+        except ImportError as e:
+            if "flash-attn 2.6" in str(e):  # installed, but not a version whose signature we know
+                warnings.warn(f"{e}; branch attention uses the torch kernel", stacklevel=2)
             return TorchBlockKernel()
     if device.type == "cpu" and CpuFusedBlockKernel._fwd is not None:
         return CpuFusedBlockKernel()

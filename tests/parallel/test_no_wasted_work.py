@@ -116,8 +116,8 @@ class _TileOnlyKernel:
     def forward(self, *args):
         return self._k.forward(*args)
 
-    def backward(self, *args):
-        return self._k.backward(*args)
+    def backward(self, *args, **kwargs):
+        return self._k.backward(*args, **kwargs)
 
 
 def test_tile_only_kernels_get_one_tile_per_branch():
