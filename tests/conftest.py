@@ -9,11 +9,25 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
-def tiny_model_path():
-    """The cached built-in tiny policy (built on first use, about a minute on 2 cores)."""
-    from cotrain.models.build_tiny import ensure_tiny_model
+def builtin_model_path():
+    """name -> the cached built-in model's checkpoint (``builtin:<name>``: tiny, small, words; each
+    built on first use, the tiny one in about a minute on 2 cores). The one way tests get them."""
+    from cotrain.models.build_tiny import ensure_builtin_model
 
-    return ensure_tiny_model(progress=False)
+    paths = {}
+
+    def get(name: str = "tiny"):
+        if name not in paths:
+            paths[name] = ensure_builtin_model(name, progress=False)
+        return paths[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(builtin_model_path):
+    """The cached built-in tiny policy."""
+    return builtin_model_path("tiny")
 
 
 def pytest_collection_modifyitems(config, items):

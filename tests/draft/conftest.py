@@ -12,19 +12,46 @@ CONFIGS = REPO / "configs"
 
 
 @pytest.fixture(scope="session")
-def target(tiny_model_path):
+def target_of(builtin_model_path):
+    """name -> the built-in model's TargetSpec (what drafters are built against), loaded once."""
     from cotrain.draft.taps import TargetSpec
 
-    return TargetSpec.from_checkpoint(tiny_model_path)
+    specs = {}
+
+    def get(name: str = "tiny"):
+        if name not in specs:
+            specs[name] = TargetSpec.from_checkpoint(builtin_model_path(name))
+        return specs[name]
+
+    return get
 
 
 @pytest.fixture(scope="session")
-def hf_target(tiny_model_path):
+def hf_target_of(builtin_model_path):
+    """name -> (the built-in model as a Hugging Face target, its tokenizer), loaded once."""
     from transformers import AutoTokenizer
 
     from cotrain.draft.taps import load_hf_target
 
-    return load_hf_target(tiny_model_path), AutoTokenizer.from_pretrained(str(tiny_model_path))
+    models = {}
+
+    def get(name: str = "tiny"):
+        if name not in models:
+            path = builtin_model_path(name)
+            models[name] = load_hf_target(path), AutoTokenizer.from_pretrained(str(path))
+        return models[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def target(target_of):
+    return target_of("tiny")
+
+
+@pytest.fixture(scope="session")
+def hf_target(hf_target_of):
+    return hf_target_of("tiny")
 
 
 @pytest.fixture

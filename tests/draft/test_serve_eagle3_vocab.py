@@ -25,26 +25,18 @@ K = 4  # draft tokens per step = the TTT passes it was trained with
 
 
 @pytest.fixture(scope="module")
-def words_path():
-    from cotrain.models.build_tiny import ensure_builtin_model
-
-    return ensure_builtin_model("words", progress=False)
+def words_path(builtin_model_path):
+    return builtin_model_path("words")
 
 
 @pytest.fixture(scope="module")
-def words_target(words_path):
-    from cotrain.draft.taps import TargetSpec
-
-    return TargetSpec.from_checkpoint(words_path)
+def words_target(target_of):
+    return target_of("words")
 
 
 @pytest.fixture(scope="module")
-def words_hf(words_path):
-    from transformers import AutoTokenizer
-
-    from cotrain.draft.taps import load_hf_target
-
-    return load_hf_target(words_path), AutoTokenizer.from_pretrained(str(words_path))
+def words_hf(hf_target_of):
+    return hf_target_of("words")
 
 
 @pytest.fixture(scope="module")
