@@ -15,7 +15,7 @@ from cotrain.draft.acceptance import AcceptanceReport, estimate_acceptance
 from cotrain.draft.common import BranchAttention, DraftBatch, DraftOutput
 from cotrain.draft.cp import fetch_rows
 from cotrain.draft.export import export_drafter, load_drafter, read_export, speculative_config
-from cotrain.draft.losses import LOSSES, draft_loss, target_probs
+from cotrain.draft.losses import LOSSES, TargetDist, draft_loss, target_dist, target_probs
 from cotrain.draft.registry import (
     DraftConfigError,
     Drafter,
@@ -30,5 +30,5 @@ __all__ = [
     "AcceptanceReport", "BranchAttention", "DraftBatch", "DraftConfigError", "DraftOutput", "Drafter", "LOSSES",
     "TargetSpec", "build_drafter", "compute_taps", "draft_loss", "drafter_kinds", "estimate_acceptance",
     "export_drafter", "fetch_rows", "from_vllm_ids", "get_drafter_class", "load_drafter", "read_export",
-    "register_drafter", "speculative_config", "target_probs", "to_vllm_ids",
+    "register_drafter", "speculative_config", "target_dist", "target_probs", "to_vllm_ids", "TargetDist",
 ]

@@ -13,10 +13,10 @@ Conventions (all drafters):
   fall outside the sequence or are not supervised are marked invalid (``valid[n, j] = False``).
   Losses (:mod:`cotrain.draft.losses`) and the acceptance estimator
   (:mod:`cotrain.draft.acceptance`) work on chains only, so they are family independent.
-- Attention goes through :func:`branch_attention`: ``dense_branch_attention`` when the layout is
-  for CP = 1, ``cp_branch_attention`` over a process group otherwise; with no main queries
-  (``q=None``: DFlash/DSpark, EAGLE-3's passes 1..k-1) only the branch tiles are computed
-  (``local_branch_attention`` at CP = 1). Under CP > 1 every
+- Attention goes through :class:`BranchAttention`: the ring's kernel tiles at every CP size
+  (``local_branch_attention`` at CP = 1, ``cp_branch_attention`` over a process group otherwise);
+  with no main queries (``q=None``: DFlash/DSpark, EAGLE-3's passes 1..k-1) only the branch tiles
+  are computed. Under CP > 1 every
   drafter consumes its rank's zigzag shard of the trunk (taps rows ``layout.local_len``) and the
   branches whose anchors it owns; token ids stay global (every rank has them).
 """
@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cotrain.parallel import BranchLayout, cp_branch_attention, dense_branch_attention, local_branch_attention
+from cotrain.parallel import BranchLayout, cp_branch_attention, local_branch_attention
 
 
 # ------------------------------------------------------------------------------------------ inputs
@@ -214,75 +214,30 @@ class QKV(nn.Module):
 class BranchAttention:
     """Branch attention for one layout, called once per layer / pass of a drafter forward.
 
-    CP > 1 (or an explicit group): ``cp_branch_attention`` on this rank's shards.
-    CP = 1: ``dense_branch_attention`` (the explicit-mask definition) applied to buckets of whole
-    sequences of at most ``bucket_tokens`` main + branch tokens each. Sequences never see each
-    other, so this is the same result as one dense call on the whole batch, at a cost linear in
-    the number of sequences instead of quadratic in the packed length.
+    Every CP size trains through the ring's kernel tiles (``cotrain.parallel``): exact causal /
+    full trunk tiles (torch's fused CPU flash-attention op on CPU, flash-attn's varlen kernel on
+    GPU) and block-diagonal branch-local attention, merged by LSE; nothing materialises a mask over
+    all query-key pairs. CP > 1 (or an explicit group): ``cp_branch_attention`` on this rank's
+    shards; CP = 1 without a group: ``local_branch_attention`` (the same tiles, no process group).
+    The explicit-mask ``dense_branch_attention`` is the tests' oracle only (docs/drafters.md,
+    "Training path", has the measurements behind this choice).
     No main queries (``q=None``; the main rows only give keys and values): only the branch queries'
-    tiles are computed, by ``cp_branch_attention(None, ...)`` over the group (CP > 1) or
-    ``local_branch_attention(None, ...)`` (CP = 1: exact trunk tiles and block-diagonal branch
-    attention, no dense mask); the call returns ``(None, bout)``. bq/bk/bv must then be tensors
-    (0 rows on a CP rank that owns no branch, which still takes part in the ring).
+    tiles are computed and the call returns ``(None, bout)``. bq/bk/bv must then be tensors (0 rows
+    on a CP rank that owns no branch, which still takes part in the ring).
     """
 
-    def __init__(self, layout: BranchLayout, group=None, bucket_tokens: int = 128):
+    def __init__(self, layout: BranchLayout, group=None):
         self.layout, self.group = layout, group
         self.ring = not (layout.cp_size == 1 and group is None)
-        self.buckets: list[tuple[BranchLayout, int, int, int, int]] = []
-        if self.ring:
-            return
-        cu = layout.cu_seqlens.tolist()
-        offs = layout.branch_offsets.tolist()
-        seq_of_branch = layout.branch_seqs.tolist()
-        # branches are packed in anchor order, so each sequence's branches are contiguous
-        first = [0] * (layout.num_seqs + 1)
-        counts = [0] * layout.num_seqs
-        for s in seq_of_branch:
-            counts[s] += 1
-        for s in range(layout.num_seqs):
-            first[s + 1] = first[s] + counts[s]
-        if seq_of_branch != sorted(seq_of_branch):
-            raise ValueError("branches must be ordered by sequence")
-        s0 = 0
-        while s0 < layout.num_seqs:
-            s1 = s0 + 1
-            size = lambda a, b: (cu[b] - cu[a]) + (offs[first[b]] - offs[first[a]])  # noqa: E731
-            while s1 < layout.num_seqs and size(s0, s1 + 1) <= bucket_tokens:
-                s1 += 1
-            b0, b1 = first[s0], first[s1]
-            sub = BranchLayout(
-                torch.tensor(cu[s0 : s1 + 1]) - cu[s0], layout.anchors[b0:b1] - cu[s0], layout.branch_lens[b0:b1],
-                layout.context, layout.intra, layout.window, 1,
-            )
-            self.buckets.append((sub, cu[s0], cu[s1], offs[b0], offs[b1]))
-            s0 = s1
 
     def __call__(self, q, k, v, bq, bk, bv) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         """(out, bout): main and branch outputs (bq/bk/bv None when there are no branch tokens);
         q=None: no main queries, out is None (see the class docstring)."""
-        if q is None:
-            if self.ring:
-                _, _, bout, _ = cp_branch_attention(None, k, v, bq, bk, bv, self.layout, self.group)
-            else:
-                _, _, bout, _ = local_branch_attention(None, k, v, bq, bk, bv, self.layout)
-            return None, bout
         if self.ring:
             out, _, bout, _ = cp_branch_attention(q, k, v, bq, bk, bv, self.layout, self.group)
-            return out, bout
-        if bq is None:
-            bq, bk, bv = (t.new_zeros(0, *t.shape[1:]) for t in (q, k, v))
-        outs, bouts = [], []
-        for sub, m0, m1, b0, b1 in self.buckets:
-            o, _, bo, _ = dense_branch_attention(q[m0:m1], k[m0:m1], v[m0:m1], bq[b0:b1], bk[b0:b1], bv[b0:b1], sub)
-            outs.append(o)
-            bouts.append(bo)
-        return torch.cat(outs), torch.cat(bouts)
-
-
-def branch_attention(q, k, v, bq, bk, bv, layout: BranchLayout, group=None):
-    """(out, bout) of branch attention for a one-off call (see :class:`BranchAttention`)."""
-    return BranchAttention(layout, group)(q, k, v, bq, bk, bv)
+        else:
+            out, _, bout, _ = local_branch_attention(q, k, v, bq, bk, bv, self.layout)
+        return out, bout
 
 
 def init_linear_(module: nn.Module, std: float = 0.02, generator: Optional[torch.Generator] = None) -> None:

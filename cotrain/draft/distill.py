@@ -36,7 +36,7 @@ from pydantic import ValidationError
 from cotrain.config.distill import DistillConfig, DistillDataConfig, load_distill_config
 from cotrain.draft.acceptance import estimate_acceptance
 from cotrain.draft.common import DraftBatch, select_sequences
-from cotrain.draft.losses import draft_loss, target_probs
+from cotrain.draft.losses import draft_loss, target_dist
 from cotrain.draft.optim import clip_, lr_at, make_optimizer, set_lr
 from cotrain.draft.registry import Drafter, build_drafter
 
@@ -142,7 +142,8 @@ def records_to_batch(records: list[Record], model, tap_layers: list[int]) -> Dra
 def train_step(drafter: Drafter, batch: DraftBatch, loss_name: str, optimizer: torch.optim.Optimizer,
                clip: float, generator: torch.Generator, extra: Optional[dict] = None,
                branches: str = "teacher_forced", target_model=None, eos_token_id: Optional[int] = None) -> dict:
-    """One optimizer step on ``batch``; returns metrics (loss, overlap, top1_match, grad_norm).
+    """One optimizer step on ``batch``; returns metrics (loss, overlap, top1_match, grad_norm) as floats,
+    read back once after the update (the distillation logs every step).
     ``branches="on_policy"``: SpecOPD (cotrain.draft.specopd) - branches the drafter samples at the
     seeded anchors, scored by ``target_model`` (the HF target) in one tree-masked forward."""
     if branches == "on_policy":
@@ -153,7 +154,7 @@ def train_step(drafter: Drafter, batch: DraftBatch, loss_name: str, optimizer: t
     else:
         layout = drafter.build_layout(batch, generator)
         out = drafter(batch, layout)
-        p = target_probs(batch.target_logits, out)
+        p = target_dist(batch.target_logits, out)  # gathered chunk by chunk inside the loss
         labels = batch.input_ids[(out.target_rows + 1).clamp(min=0, max=batch.num_tokens - 1)]
         loss, metrics = draft_loss(loss_name, out, p, labels=labels, vocab=getattr(drafter, "vocab", None),
                                    **(extra or {}))
@@ -163,7 +164,7 @@ def train_step(drafter: Drafter, batch: DraftBatch, loss_name: str, optimizer: t
     gn = clip_(params, clip)
     optimizer.step()
     metrics["grad_norm"] = gn
-    return metrics
+    return {k: float(v) for k, v in metrics.items()}
 
 
 def loss_extra(cfg: DistillConfig) -> dict:

@@ -1,4 +1,4 @@
-"""Drafter losses on draft chains (see :mod:`cotrain.draft.common`).
+"""Drafter losses on draft chains (see :mod:`cotrain.draft.common`), computed in chunks of positions.
 
 Notation: for chain n and draft position j, q_{nj} = softmax(drafter logits) and p_{nj} = the
 *detached* target distribution (softmax of the target logits at row ``target_rows[n, j]``).
@@ -16,6 +16,20 @@ Every loss averages over valid positions, weighted by the chain's per-position `
                   L = -sum_{nj valid} w_j S_{nj} / sum_{nj valid} w_j
                   Gradients flow through q and the products; p is fixed. An early mismatch lowers
                   every later S, so it weighs on every later position.
+
+**Chunks.** Every loss is a weighted mean of per-position statistics (the V-wide sums above), so
+they are computed by :class:`_PositionStats` in chunks of positions (numerator and denominator
+summed over chunks, as SpecForge does): the target rows are gathered and softmaxed chunk by chunk
+(``TargetDist``: the (T, V) target logits and the chains' rows, never an (N, W, V) fp32 copy), the
+backward recomputes q and p per chunk and writes the logits' gradient in place,
+
+    d(-sum p log q)/dz = q sum(p) - p,      d(-log q_y)/dz = q - e_y,
+    d f(q)/dz = q * (g - <g, q>)   with g = df/dq:  sign(q - p) for ||p - q||_1,
+                                   1[q < p] + 1/2 1[q = p] for sum min(p, q) (torch.minimum's tie rule),
+
+so a call holds O(chunk x V) temporaries beyond the logits, their gradient and the target logits,
+whatever N x W is. The statistics, the losses and the metrics stay on the device: nothing here reads
+a value back to the host (metrics are 0-dim tensors; convert them when logging).
 
 E2E-TV caveat (SpecOPD): the product of per-position overlaps is a *biased* surrogate of the
 serving acceptance. In serving, draft j's distribution is conditioned on the drafts the drafter
@@ -39,7 +53,8 @@ mapped draft token with the target's greedy token. ``metrics["weight"]`` is the 
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +62,148 @@ import torch.nn.functional as F
 from cotrain.draft.common import DraftOutput
 
 LOSSES = ("soft_ce", "forward_kl", "hard_ce", "dspark_l1", "e2e_tv")
+#: elements (positions x vocabulary) of one chunk's fp32 temporaries: 2^24 = 64 MiB each
+CHUNK_ELEMENTS = 1 << 24
+
+# per-position statistics (the columns of _PositionStats' output)
+CE, PLOGP, L1, OV, NLL, MATCH, INVOCAB = range(7)
+_NUM_STATS = 7
+_DIFFERENTIABLE = (CE, L1, OV, NLL)
+
+
+@dataclass(frozen=True)
+class TargetDist:
+    """The detached target distributions of N x W positions, gathered on demand:
+    p[n, j] = softmax(source[rows[n, j]] / temperature) when ``logits``, else source[rows[n, j]]
+    (already probabilities). ``source`` (R, V), ``rows`` (N, W) int64 (clamped to >= 0)."""
+
+    source: torch.Tensor
+    rows: torch.Tensor
+    logits: bool = True
+    temperature: float = 1.0
+
+    @classmethod
+    def of(cls, p: Union[torch.Tensor, "TargetDist"]) -> "TargetDist":
+        """A TargetDist for ``p``: itself, or dense probabilities (N, W, V) as views."""
+        if isinstance(p, TargetDist):
+            return p
+        n, w, v = p.shape
+        return cls(p.detach().reshape(n * w, v), torch.arange(n * w, device=p.device).view(n, w), logits=False)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (*self.rows.shape, self.source.shape[-1])
+
+    def rows_flat(self, a: int, b: int) -> torch.Tensor:
+        """(b - a, V) fp32 distributions of flattened positions [a, b)."""
+        x = self.source.detach().index_select(0, self.rows.reshape(-1)[a:b].clamp(min=0)).float()
+        return F.softmax(x / self.temperature, dim=-1) if self.logits else x
+
+    def dense(self) -> torch.Tensor:
+        """(N, W, V) fp32: every position at once (tests, small shapes)."""
+        n, w, v = self.shape
+        return self.rows_flat(0, n * w).view(n, w, v)
+
+
+def target_dist(target_logits: torch.Tensor, out: DraftOutput, temperature: float = 1.0) -> TargetDist:
+    """The chains' target distributions from full (T, V) target logits, gathered chunk by chunk."""
+    return TargetDist(target_logits, out.target_rows.clamp(min=0), True, temperature)
+
+
+def target_probs(target_logits: torch.Tensor, out: DraftOutput, temperature: float = 1.0) -> torch.Tensor:
+    """(N, W, V) detached target distributions for the chains, from full (T, V) target logits."""
+    return target_dist(target_logits, out, temperature).dense()
+
+
+def _chunk(q_logits: torch.Tensor, target: TargetDist, a: int, b: int, vocab):
+    """fp32 q, log q (b-a, Vd) and p for the cross-entropies, p for acceptance (b-a, Vd), the
+    target's greedy token and the in-vocabulary flag of flattened positions [a, b)."""
+    z = q_logits[a:b].detach().float()
+    logq = F.log_softmax(z, dim=-1)
+    p_full = target.rows_flat(a, b)
+    greedy = p_full.argmax(-1)
+    if vocab is None:
+        return logq.exp(), logq, p_full, p_full, greedy, torch.ones_like(greedy, dtype=torch.bool)
+    r = vocab.restrict(p_full)
+    return logq.exp(), logq, r.p, r.p_on_draft, greedy, r.in_vocab
+
+
+class _PositionStats(torch.autograd.Function):
+    """(P, 7) fp32 per-position statistics of flattened logits (P, Vd), chunk by chunk (module doc):
+    CE = -sum p log q, PLOGP = sum p log p, L1 = ||p - q||_1, OV = sum min(p_acc, q), NLL = -log q[y]
+    (0 where y < 0), MATCH = [argmax q (as a target id) == argmax p], INVOCAB (see vocab). Only the
+    columns in ``need`` are computed (the others are 0); the backward differentiates the columns in
+    ``grads`` (a subset of CE, L1, OV, NLL; the others' incoming gradients are ignored)."""
+
+    @staticmethod
+    def forward(ctx, logits, target: TargetDist, labels, vocab, need: frozenset, grads: frozenset, chunk: int):
+        P = logits.shape[0]
+        stats = logits.new_zeros(P, _NUM_STATS, dtype=torch.float32)
+        for a in range(0, P, chunk):
+            b = min(a + chunk, P)
+            q, logq, p, p_acc, greedy, inv = _chunk(logits, target, a, b, vocab)
+            s = stats[a:b]
+            if CE in need:
+                s[:, CE] = -(p * logq).sum(-1)
+            if PLOGP in need:
+                s[:, PLOGP] = torch.special.xlogy(p, p).sum(-1)
+            if L1 in need:
+                s[:, L1] = (p - q).abs().sum(-1)
+            if OV in need:
+                s[:, OV] = torch.minimum(p_acc, q).sum(-1)
+            if NLL in need:
+                y = labels[a:b]
+                s[:, NLL] = torch.where(y >= 0, -logq.gather(-1, y.clamp(min=0)[:, None]).squeeze(-1), 0.0)
+            if MATCH in need:
+                drafted = q.argmax(-1)
+                s[:, MATCH] = ((drafted if vocab is None else vocab.to_target(drafted)) == greedy).float()
+            s[:, INVOCAB] = inv.float()
+        ctx.save_for_backward(logits, labels)
+        ctx.target, ctx.vocab, ctx.grads, ctx.chunk = target, vocab, grads, chunk
+        return stats
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, labels = ctx.saved_tensors
+        grads, P = ctx.grads, logits.shape[0]
+        dz = torch.empty_like(logits)
+        for a in range(0, P, ctx.chunk):
+            b = min(a + ctx.chunk, P)
+            q, logq, p, p_acc, _, _ = _chunk(logits, ctx.target, a, b, ctx.vocab)
+            gc = g[a:b]
+            d = torch.zeros_like(q)
+            if CE in grads:
+                d += gc[:, CE, None] * (q * p.sum(-1, keepdim=True) - p)
+            if NLL in grads:
+                y = labels[a:b]
+                onehot = torch.zeros_like(q).scatter_(-1, y.clamp(min=0)[:, None], 1.0)
+                d += (gc[:, NLL] * (y >= 0))[:, None] * (q - onehot)
+            for col, grad_q in ((L1, lambda: torch.sign(q - p)),
+                                (OV, lambda: (q < p_acc).float() + 0.5 * (q == p_acc).float())):
+                if col in grads:
+                    gq = grad_q()
+                    d += gc[:, col, None] * q * (gq - (gq * q).sum(-1, keepdim=True))
+            dz[a:b] = d.to(dz.dtype)
+        return dz, None, None, None, None, None, None
+
+
+def position_stats(logits: torch.Tensor, p: Union[torch.Tensor, TargetDist], need, labels=None, vocab=None,
+                   chunk_elements: int = CHUNK_ELEMENTS, grads=None) -> torch.Tensor:
+    """(N, W, 7) statistics of the columns ``need`` (the module's constants) for logits (N, W, Vd)
+    against target ``p`` ((N, W, V) probabilities or a TargetDist), in chunks of about
+    ``chunk_elements`` / V positions; differentiable in the columns ``grads`` (default: the
+    differentiable ones of ``need``)."""
+    target = TargetDist.of(p)
+    N, W, Vd = logits.shape
+    if target.shape[:2] != (N, W):
+        raise ValueError(f"target distributions {tuple(target.shape)} do not match the chains {tuple(logits.shape)}")
+    if labels is None:
+        labels = torch.full((N, W), -1, dtype=torch.int64, device=logits.device)
+    chunk = max(1, chunk_elements // max(target.shape[2], Vd))
+    need = frozenset(need)
+    grads = need & frozenset(_DIFFERENTIABLE) if grads is None else frozenset(grads)
+    flat = _PositionStats.apply(logits.reshape(N * W, Vd), target, labels.reshape(-1), vocab, need, grads, chunk)
+    return flat.view(N, W, _NUM_STATS)
 
 
 def _weights(valid: torch.Tensor, loss_weight: Optional[torch.Tensor]) -> torch.Tensor:
@@ -57,123 +214,116 @@ def _weights(valid: torch.Tensor, loss_weight: Optional[torch.Tensor]) -> torch.
 
 
 def _wmean(values: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum w x / sum w, 0 (still differentiable) where sum w = 0; no host sync."""
     den = w.sum()
-    if float(den) == 0.0:
-        return values.sum() * 0.0
-    return (values * w).sum() / den
+    return (values * w).sum() / torch.where(den > 0, den, torch.ones_like(den))
 
 
-def soft_ce(logits: torch.Tensor, p: torch.Tensor, valid: torch.Tensor,
-            loss_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-    logq = F.log_softmax(logits.float(), dim=-1)
-    per = -(p.detach() * logq).sum(-1)
-    return _wmean(per, _weights(valid, loss_weight))
+def soft_ce(logits: torch.Tensor, p, valid: torch.Tensor, loss_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _wmean(position_stats(logits, p, {CE})[..., CE], _weights(valid, loss_weight))
 
 
-def forward_kl(logits: torch.Tensor, p: torch.Tensor, valid: torch.Tensor,
+def forward_kl(logits: torch.Tensor, p, valid: torch.Tensor,
                loss_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-    logq = F.log_softmax(logits.float(), dim=-1)
-    p = p.detach()
-    per = (torch.special.xlogy(p, p) - p * logq).sum(-1)
-    return _wmean(per, _weights(valid, loss_weight))
+    s = position_stats(logits, p, {CE, PLOGP})
+    return _wmean(s[..., CE] + s[..., PLOGP], _weights(valid, loss_weight))
 
 
 def hard_ce(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
             loss_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-    logq = F.log_softmax(logits.float(), dim=-1)
-    per = -logq.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
-    return _wmean(per, _weights(valid & (labels >= 0), loss_weight))
+    N, W, V = logits.shape
+    dummy = TargetDist(logits.new_zeros(1, V), torch.zeros(N, W, dtype=torch.int64, device=logits.device), False)
+    nll = position_stats(logits, dummy, {NLL}, labels)[..., NLL]
+    return _wmean(nll, _weights(valid & (labels >= 0), loss_weight))
 
 
-def l1_distance(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+def l1_distance(logits: torch.Tensor, p) -> torch.Tensor:
     """||p - q||_1 per position (= 2 TV)."""
-    return (p.detach() - F.softmax(logits.float(), dim=-1)).abs().sum(-1)
+    return position_stats(logits, p, {L1})[..., L1]
 
 
-def overlap(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+def overlap(logits: torch.Tensor, p) -> torch.Tensor:
     """a = sum_v min(p, q) = 1 - TV(p, q) per position (differentiable in q)."""
-    return torch.minimum(p.detach(), F.softmax(logits.float(), dim=-1)).sum(-1)
+    return position_stats(logits, p, {OV})[..., OV]
 
 
-def dspark_l1(logits: torch.Tensor, p: torch.Tensor, valid: torch.Tensor,
-              loss_weight: Optional[torch.Tensor] = None, confidence: Optional[torch.Tensor] = None,
-              l1_weight: float = 1.0, confidence_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
-    w = _weights(valid, loss_weight)
-    logq = F.log_softmax(logits.float(), dim=-1)
-    ce = _wmean(-(p.detach() * logq).sum(-1), w)
-    l1 = l1_distance(logits, p)
-    loss = ce + l1_weight * _wmean(l1, w)
-    metrics = {"ce": float(ce.detach()), "l1": float(_wmean(l1.detach(), w))}
+def _dspark(s: torch.Tensor, w: torch.Tensor, confidence, l1_weight: float, confidence_weight: float):
+    ce, l1 = _wmean(s[..., CE], w), _wmean(s[..., L1], w)
+    loss = ce + l1_weight * l1
+    metrics = {"ce": ce.detach(), "l1": l1.detach()}
     if confidence is not None:
-        label = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)
+        label = (1.0 - 0.5 * s[..., L1]).detach().clamp(0.0, 1.0)
         bce = F.binary_cross_entropy_with_logits(confidence.float(), label, reduction="none")
         conf_loss = _wmean(bce, w)
         loss = loss + confidence_weight * conf_loss
-        metrics["confidence_bce"] = float(conf_loss.detach())
+        metrics["confidence_bce"] = conf_loss.detach()
     return loss, metrics
 
 
-def e2e_tv(logits: torch.Tensor, p: torch.Tensor, valid: torch.Tensor,
-           loss_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-    a = overlap(logits, p)
+def dspark_l1(logits: torch.Tensor, p, valid: torch.Tensor,
+              loss_weight: Optional[torch.Tensor] = None, confidence: Optional[torch.Tensor] = None,
+              l1_weight: float = 1.0, confidence_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
+    s = position_stats(logits, p, {CE, L1})
+    return _dspark(s, _weights(valid, loss_weight), confidence, l1_weight, confidence_weight)
+
+
+def _e2e(a: torch.Tensor, valid: torch.Tensor, loss_weight) -> torch.Tensor:
     a = torch.where(valid, a, torch.ones_like(a))  # invalid positions do not break the chain
-    survival = torch.cumprod(a, dim=-1)
-    return -_wmean(survival, _weights(valid, loss_weight))
+    return -_wmean(torch.cumprod(a, dim=-1), _weights(valid, loss_weight))
 
 
-def target_probs(target_logits: torch.Tensor, out: DraftOutput, temperature: float = 1.0) -> torch.Tensor:
-    """(N, W, V) detached target distributions for the chains, from full (T, V) target logits."""
-    rows = out.target_rows.clamp(min=0)
-    return F.softmax(target_logits[rows].float().detach() / temperature, dim=-1)
+def e2e_tv(logits: torch.Tensor, p, valid: torch.Tensor, loss_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _e2e(overlap(logits, p), valid, loss_weight)
 
 
-def draft_loss(name: str, out: DraftOutput, p: torch.Tensor, labels: Optional[torch.Tensor] = None,
-               l1_weight: float = 1.0, confidence_weight: float = 1.0, vocab=None) -> tuple[torch.Tensor, dict]:
-    """The loss ``name`` (one of LOSSES) on chains ``out`` against target distributions ``p``
-    (N, W, V), detached here. ``labels`` (N, W): the tokens for hard_ce. ``vocab``: the drafter's
-    reduced draft vocabulary (its logits then have vocab.size columns; see the module doc).
-    Returns (loss, metrics); ``metrics["weight"]`` is the loss's denominator."""
+def draft_loss(name: str, out: DraftOutput, p, labels: Optional[torch.Tensor] = None, l1_weight: float = 1.0,
+               confidence_weight: float = 1.0, vocab=None,
+               chunk_elements: int = CHUNK_ELEMENTS) -> tuple[torch.Tensor, dict]:
+    """The loss ``name`` (one of LOSSES) on chains ``out`` against the target distributions ``p``:
+    (N, W, V) probabilities or a :class:`TargetDist` (:func:`target_dist`: gathered from the target
+    logits chunk by chunk), detached here. ``labels`` (N, W): the tokens for hard_ce. ``vocab``: the
+    drafter's reduced draft vocabulary (its logits then have vocab.size columns; see the module doc).
+    Returns (loss, metrics), every metric a detached 0-dim tensor on the logits' device (no host
+    sync); ``metrics["weight"]`` is the loss's denominator."""
     if name not in LOSSES:
         raise ValueError(f"unknown drafter loss {name!r} (allowed: {', '.join(LOSSES)})")
-    p = p.detach()
-    w = out.loss_weight
-    valid = out.valid
+    target = TargetDist.of(p)
+    w, valid = out.loss_weight, out.valid
     if vocab is not None:
-        if p.shape[:-1] != out.logits.shape[:-1] or out.logits.shape[-1] != vocab.size:
-            raise ValueError(f"target distributions {tuple(p.shape)} and chains {tuple(out.logits.shape)} do not fit "
-                             f"a draft vocabulary of {vocab.size} over {vocab.vocab_size} tokens")
-        r = vocab.restrict(p)
-        p_ce, p_acc, ce_valid = r.p, r.p_on_draft, valid & r.in_vocab
-        greedy = vocab.to_target(out.logits.argmax(-1))
+        if target.shape[:2] != out.logits.shape[:2] or out.logits.shape[-1] != vocab.size:
+            raise ValueError(f"target distributions {tuple(target.shape)} and chains {tuple(out.logits.shape)} do not "
+                             f"fit a draft vocabulary of {vocab.size} over {vocab.vocab_size} tokens")
         if labels is not None:
             labels = vocab.to_draft(labels)
-    else:
-        if p.shape != out.logits.shape:
-            raise ValueError(f"target distributions {tuple(p.shape)} do not match the chains {tuple(out.logits.shape)}")
-        p_ce, p_acc, ce_valid = p, p, valid
-        greedy = out.logits.argmax(-1)
-    metrics: dict = {}
+    elif target.shape != tuple(out.logits.shape):
+        raise ValueError(f"target distributions {tuple(target.shape)} do not match the chains {tuple(out.logits.shape)}")
+    if name == "hard_ce" and labels is None:
+        raise ValueError("hard_ce needs labels (the target's sampled tokens)")
+    own = {"soft_ce": {CE}, "forward_kl": {CE, PLOGP}, "hard_ce": {NLL}, "dspark_l1": {CE, L1},
+           "e2e_tv": {OV}}[name]
+    s = position_stats(out.logits, target, own | {OV, MATCH}, labels if name == "hard_ce" else None, vocab,
+                       chunk_elements, grads=own & set(_DIFFERENTIABLE))
+    ce_valid = valid & (s[..., INVOCAB] > 0)  # a reduced vocabulary drops positions it cannot say
     counted = ce_valid
+    metrics: dict = {}
     if name == "soft_ce":
-        loss = soft_ce(out.logits, p_ce, ce_valid, w)
+        loss = _wmean(s[..., CE], _weights(ce_valid, w))
     elif name == "forward_kl":
-        loss = forward_kl(out.logits, p_ce, ce_valid, w)
+        loss = _wmean(s[..., CE] + s[..., PLOGP], _weights(ce_valid, w))
     elif name == "hard_ce":
-        if labels is None:
-            raise ValueError("hard_ce needs labels (the target's sampled tokens)")
-        loss = hard_ce(out.logits, labels, valid, w)
         counted = valid & (labels >= 0)
+        loss = _wmean(s[..., NLL], _weights(counted, w))
     elif name == "dspark_l1":
-        loss, metrics = dspark_l1(out.logits, p_ce, ce_valid, w, out.confidence, l1_weight, confidence_weight)
+        loss, metrics = _dspark(s, _weights(ce_valid, w), out.confidence, l1_weight, confidence_weight)
     else:
-        loss = e2e_tv(out.logits, p_acc, valid, w)
         counted = valid
+        loss = _e2e(s[..., OV], valid, w)
     with torch.no_grad():
-        a = overlap(out.logits, p_acc)
-        metrics["overlap"] = float(_wmean(a, valid.float()))
-        metrics["top1_match"] = float(_wmean((greedy == p.argmax(-1)).float(), valid.float()))
+        vf = valid.float()
+        metrics["overlap"] = _wmean(s[..., OV], vf)
+        metrics["top1_match"] = _wmean(s[..., MATCH], vf)
         if vocab is not None:
-            metrics["in_vocab"] = float(_wmean(ce_valid.float(), valid.float()))
-    metrics["weight"] = float(_weights(counted, w).sum())
-    metrics["loss"] = float(loss.detach())
+            metrics["in_vocab"] = _wmean(ce_valid.float(), vf)
+        metrics["weight"] = _weights(counted, w).sum()
+        metrics["loss"] = loss.detach()
     return loss, metrics

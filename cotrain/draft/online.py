@@ -55,13 +55,12 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from cotrain.draft.acceptance import accept_lengths
 from cotrain.draft.common import DraftBatch
 from cotrain.draft.cp import fetch_rows
 from cotrain.draft.dflash import BlockDrafter
-from cotrain.draft.losses import draft_loss
+from cotrain.draft.losses import TargetDist, draft_loss, target_dist
 from cotrain.draft.optim import clip_, lr_at, make_optimizer, set_lr
 from cotrain.draft.registry import Drafter
 from cotrain.draft.vocab import DraftVocab, token_counts
@@ -202,8 +201,9 @@ class OnlineDraftTrainer:
             return self.drafter.build_layout(batch, cp_size=self.cp_size, anchors=anchors)
         return self.drafter.build_layout(batch, cp_size=self.cp_size)
 
-    def microbatch(self, rows: RolloutRows, taps: torch.Tensor, logits: torch.Tensor) -> dict[str, float]:
-        """Forward and backward of the drafter on one microbatch (gradients accumulate)."""
+    def microbatch(self, rows: RolloutRows, taps: torch.Tensor, logits: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Forward and backward of the drafter on one microbatch (gradients accumulate). Returns the
+        loss's metrics as device tensors: nothing is read back to the host before end_step."""
         if self._step is None:
             raise RuntimeError("call begin_step before microbatch")
         t0 = time.perf_counter()
@@ -211,38 +211,38 @@ class OnlineDraftTrainer:
         layout = self._layout_for(batch, rows.seq_ids, self._step)
         with torch.enable_grad():
             out = self.drafter(batch, layout, group=self.cp_group if self.cp_size > 1 else None)
-            if self.cp_size > 1:
-                shape = out.target_rows.shape
-                tl = fetch_rows(local_logits, out.target_rows, layout, self.cp_group).view(*shape, local_logits.shape[-1])
-            else:
-                tl = local_logits[out.target_rows.clamp(min=0)]
-            p = F.softmax(tl.float(), dim=-1)
+            if self.cp_size > 1:  # the rows this rank's chains need, fetched from their owners
+                V = local_logits.shape[-1]
+                tl = fetch_rows(local_logits, out.target_rows, layout, self.cp_group).view(-1, V)
+                p = TargetDist(tl, torch.arange(tl.shape[0], device=tl.device).view(out.target_rows.shape))
+            else:  # gathered chunk by chunk inside the loss
+                p = target_dist(local_logits, out)
             labels = batch.input_ids[(out.target_rows + 1).clamp(min=0, max=batch.num_tokens - 1)]
             vocab = getattr(self.drafter, "vocab", None)
             loss, m = draft_loss(self.loss_name, out, p, labels=labels, vocab=vocab, **self.loss_extra)
-            weight = m["weight"]  # the positions the loss counts (a reduced vocabulary drops some)
+            weight = m["weight"]  # the positions the loss counts (a reduced vocabulary drops some); a tensor
             # always: under CP the backward of branch attention is collective over the CP group,
             # so a rank with nothing to supervise still takes part (with zero gradients)
             (loss * weight).backward()
-        with torch.no_grad():
+        with torch.no_grad():  # statistics stay on the device until end_step
             valid = out.valid
-            n = float(valid.sum())
+            n = valid.sum()
             first = valid[:, 0]
             drafted = out.logits.argmax(-1)
             if vocab is not None:
                 drafted = vocab.to_target(drafted)
                 # the rollout tokens the drafts predict (every CP rank holds whole rows: each counts them all)
                 self._step_counts += token_counts(batch.input_ids, batch.loss_mask, vocab.vocab_size)
-            greedy = (drafted == tl.argmax(-1)) & valid
-            lens = accept_lengths(greedy[first], self.k)
+            greedy = (drafted == p.source.argmax(-1)[p.rows]) & valid
+            lens = accept_lengths(greedy, self.k) * first  # chains whose first draft is supervised
         st = self._stats
         st["loss_sum"] += m["loss"] * weight
         st["weight"] += weight
         st["overlap_sum"] += m["overlap"] * n
         st["top1_sum"] += m["top1_match"] * n
         st["positions"] += n
-        st["accept_sum"] += float(lens.sum())
-        st["chains"] += float(lens.numel())
+        st["accept_sum"] += lens.sum()
+        st["chains"] += first.sum()
         st["microbatches"] += 1
         self._seconds += time.perf_counter() - t0
         return m
@@ -255,7 +255,7 @@ class OnlineDraftTrainer:
         t0 = time.perf_counter()
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         keys = sorted(self._stats)
-        stats = torch.tensor([self._stats[k] for k in keys], dtype=torch.float64)
+        stats = torch.tensor([float(self._stats[k]) for k in keys], dtype=torch.float64)  # the step's one read-back
         grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
         counts = self._step_counts if self.vocab_counts is not None else torch.zeros(0, dtype=torch.float64)
         if self.reduce_group is not None and dist.get_world_size(self.reduce_group) > 1:

@@ -108,20 +108,50 @@ def test_layouts(drafters):
         assert full.num_branches == sum(n - 1 - 3 for n in (9, 7, 11))
 
 
-def test_bucketed_dense_attention_equals_one_dense_call(drafters):
+def test_branch_attention_with_main_queries_equals_the_dense_oracle(drafters):
+    """CP = 1 with main and branch queries (EAGLE-3's layout, 4 sequences): BranchAttention trains
+    through the kernel tiles, not the dense mask, and gives the oracle's outputs and all six
+    gradients; the old bucketed dense path (cotrain.draft.reference, the bench's "before" arm)
+    gives them too."""
+    from cotrain.draft import reference
+    from cotrain.parallel import CPStats, dense_branch_attention as oracle
+
     d = drafters["eagle3"]
     b = batch_for(d, lens=(30, 5, 17, 40))
     lay = d.build_layout(b)
     g = torch.Generator().manual_seed(3)
     T, NB = lay.total_len, lay.total_branch_tokens
-    q, bq = torch.randn(T, 4, 32, generator=g), torch.randn(NB, 4, 32, generator=g)
-    k, v, bk, bv = (torch.randn(n, 2, 32, generator=g) for n in (T, T, NB, NB))
-    attn = BranchAttention(lay, bucket_tokens=64)
-    assert len(attn.buckets) > 2
-    out, bout = attn(q, k, v, bq, bk, bv)
-    ref, _, bref, _ = dense_branch_attention(q, k, v, bq, bk, bv, lay)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(bout, bref, atol=1e-5, rtol=1e-5)
+    base = [torch.randn(n, h, 32, generator=g) for n, h in [(T, 4), (T, 2), (T, 2), (NB, 4), (NB, 2), (NB, 2)]]
+    w, bw = torch.randn(T, 4, 32, generator=g), torch.randn(NB, 4, 32, generator=g)
+
+    def run(fn):
+        x = [t.clone().requires_grad_() for t in base]
+        out, bout = fn(*x)
+        ((out * w).sum() + (bout * bw).sum()).backward()
+        return [out, bout] + [t.grad for t in x]
+
+    ref = run(lambda *x: oracle(*x, lay)[::2])
+    calls = []
+    dense = reference.dense_branch_attention
+    try:  # the training path never calls the dense oracle
+        reference.dense_branch_attention = lambda *a, **k: calls.append(1) or dense(*a, **k)
+        import cotrain.draft.common as common
+        assert not hasattr(common, "dense_branch_attention")
+        got = run(BranchAttention(lay))
+        old = run(lambda *x: reference.dense_bucket_attention(*x, lay, bucket_tokens=64))
+    finally:
+        reference.dense_branch_attention = dense
+    assert len(calls) > 2  # the old path: one dense call per bucket
+    for name, a, o, r in zip(("out", "bout", "dq", "dk", "dv", "dbq", "dbk", "dbv"), got, old, ref):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(o, r, atol=1e-5, rtol=1e-5, msg=name)
+    stats = CPStats()
+    from cotrain.parallel import local_branch_attention
+
+    local_branch_attention(*base, lay, stats=stats)
+    # kernel tiles: about the allowed pairs (masked tiles where one more tile costs more than the
+    # pairs it saves), not the (T + NB)^2 of one mask (63,504 here)
+    assert stats.pairs_computed < 2 * stats.pairs_allowed < 0.2 * (T + NB) ** 2
 
 
 def test_branch_attention_without_main_queries_equals_dense_branch_rows(drafters):

@@ -257,3 +257,100 @@ def test_dspark_confidence_label_is_detached():
     # the head chases the label 1 - L1/2: d BCE / dc = (sigmoid(c) - label) / 2 positions
     label = torch.tensor([1 - L1[0] / 2, 1 - L1[1] / 2])
     torch.testing.assert_close(conf.grad[0], (torch.sigmoid(conf.detach()[0]) - label) / 2, atol=1e-6, rtol=0)
+
+
+# ----- chunked on the device (issue 17) against the old full-tensor autograd (cotrain.draft.reference) ----------
+def _random_case(seed, N=5, W=3, V=37, vocab=None):
+    from cotrain.draft.vocab import DraftVocab
+
+    g = torch.Generator().manual_seed(seed)
+    Vd = V if vocab is None else vocab
+    logits = (3 * torch.randn(N, W, Vd, generator=g, dtype=torch.float64)).float()
+    target_logits = 3 * torch.randn(11, V, generator=g)
+    rows = torch.randint(0, 11, (N, W), generator=g)
+    rows[0, 2] = -1  # a position past the sequence: clamped, invalid
+    valid = torch.rand(N, W, generator=g) > 0.25
+    valid[0, 2] = False
+    labels = torch.randint(0, V, (N, W), generator=g)
+    labels[1, 0] = -1
+    conf = torch.randn(N, W, generator=g)
+    dv = None if vocab is None else DraftVocab(torch.sort(torch.randperm(V, generator=g)[:vocab]).values, V)
+    return logits, target_logits, rows, valid, labels, conf, dv
+
+
+@pytest.mark.parametrize("vocab", [None, 13])
+@pytest.mark.parametrize("name", ["soft_ce", "forward_kl", "hard_ce", "dspark_l1", "e2e_tv"])
+def test_chunked_loss_equals_the_full_tensor_autograd(name, vocab):
+    """Every loss, chunked over positions (chunks of 2 positions of 15, the last one short) and with the
+    target rows gathered chunk by chunk from the target logits (temperature 0.7), equals the old
+    implementation on full (N, W, V) tensors (plain autograd): value, every metric, and the gradients
+    of the logits and the confidence head; one chunk gives the same."""
+    from cotrain.draft import reference
+    from cotrain.draft.losses import target_dist
+
+    logits, tl, rows, valid, labels, conf, dv = _random_case(7, vocab=vocab)
+    w = torch.tensor([1.0, 0.6, 0.3])
+
+    def run(impl, **kw):
+        z = logits.clone().requires_grad_(True)
+        c = conf.clone().requires_grad_(True)
+        out = DraftOutput(logits=z, bonus_pos=torch.arange(5), target_rows=rows, valid=valid, loss_weight=w,
+                          confidence=c if name == "dspark_l1" else None)
+        p = target_dist(tl, out, 0.7) if impl is draft_loss else torch.softmax(tl[rows.clamp(min=0)] / 0.7, -1)
+        loss, m = impl(name, out, p, labels=labels, l1_weight=0.5, confidence_weight=2.0, vocab=dv, **kw)
+        loss.backward()
+        return loss, {k: float(v) for k, v in m.items()}, z.grad, c.grad
+
+    ref = run(reference.draft_loss)
+    for kw in ({"chunk_elements": 2 * 37}, {}):
+        got = run(draft_loss, **kw)
+        torch.testing.assert_close(got[0], ref[0], atol=1e-6, rtol=1e-6)
+        assert got[1].keys() == ref[1].keys()
+        for key in ref[1]:
+            assert got[1][key] == pytest.approx(ref[1][key], abs=1e-6), key
+        torch.testing.assert_close(got[2], ref[2], atol=1e-6, rtol=1e-5)
+        if name == "dspark_l1":
+            torch.testing.assert_close(got[3], ref[3], atol=1e-6, rtol=1e-5)
+    assert ref[2].abs().sum() > 0
+
+
+def test_chunk_boundaries_cover_every_position_once():
+    """Per-position statistics with chunks of 1, 2, 4 and 16 positions (P = 15) equal one chunk, row by
+    row: a position skipped or counted twice at a boundary shows."""
+    from cotrain.draft.losses import CE, L1, MATCH, OV, position_stats
+
+    logits, tl, rows, _, _, _, _ = _random_case(3)
+    p = torch.softmax(tl[rows.clamp(min=0)], -1)
+    cols = [CE, L1, OV, MATCH]
+    whole = position_stats(logits, p, cols, chunk_elements=1 << 30)
+    for per in (1, 2, 4, 16):
+        torch.testing.assert_close(position_stats(logits, p, cols, chunk_elements=per * 37), whole, atol=1e-6, rtol=0)
+    assert float(whole[..., CE].std()) > 0.1  # the rows differ, so a shifted row would show
+
+
+def test_draft_loss_reads_nothing_back_to_the_host(monkeypatch):
+    """No host sync in a loss call or its backward: every way a tensor's value reaches Python
+    (item, float, int, bool, tolist, numpy) raises inside; the metrics stay tensors."""
+    logits, tl, rows, valid, labels, conf, dv = _random_case(5, vocab=13)
+    from cotrain.draft.losses import target_dist
+
+    def sync(*a, **k):
+        raise AssertionError("host sync")
+
+    results = []
+    for vocab in (None, dv):
+        z = (logits if vocab is not None else torch.randn(5, 3, 37)).clone().requires_grad_(True)
+        out = DraftOutput(logits=z, bonus_pos=torch.arange(5), target_rows=rows, valid=valid,
+                          loss_weight=torch.tensor([1.0, 0.5, 0.25]), confidence=conf.clone().requires_grad_(True))
+        with monkeypatch.context() as mp:
+            for attr in ("item", "__float__", "__int__", "__bool__", "tolist", "numpy"):
+                mp.setattr(torch.Tensor, attr, sync)
+            for name in ("soft_ce", "forward_kl", "hard_ce", "dspark_l1", "e2e_tv"):
+                loss, m = draft_loss(name, out, target_dist(tl, out), labels=labels, vocab=vocab, chunk_elements=64)
+                loss.backward()
+                results.append(m)
+    assert all(torch.is_tensor(v) and v.dim() == 0 for m in results for v in m.values())
+    with pytest.raises(AssertionError, match="host sync"):  # the trap works
+        with monkeypatch.context() as mp:
+            mp.setattr(torch.Tensor, "__float__", sync)
+            float(torch.ones(()))
