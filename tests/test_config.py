@@ -17,12 +17,14 @@ import yaml
 from cotrain.config import (
     ConfigError,
     CotrainConfig,
+    DraftKind,
     DraftKindConfig,
     config_from_dict,
     draft_kinds,
     get_draft_kind,
     load_config,
     register_draft_kind,
+    speculative_methods,
 )
 from cotrain.config import schema as schema_mod
 from cotrain.config.loader import load_merged
@@ -330,7 +332,7 @@ ERROR_CASES = [
     ("draft_loss_kind", ["draft.kind=eagle3", "draft.loss=dspark_l1"], "draft.loss",
      ["allowed: soft_ce, forward_kl, hard_ce, e2e_tv"]),
     ("draft_loss_value", ["draft.loss=mse"], "draft.loss",
-     ["allowed: soft_ce, forward_kl, hard_ce, dspark_l1, e2e_tv"]),
+     ["is not a drafter loss (allowed: null, soft_ce, forward_kl, hard_ce, e2e_tv, dspark_l1)"]),
     ("draft_fixed_random", ["draft.kind=eagle3", "draft.cotrain=false"], "draft.cotrain",
      ["stay random", "rollout.speculative.draft_model"]),
     ("markov_head", ["draft.dspark.markov_head=deep"], "draft.dspark.markov_head", ["allowed: vanilla, gated"]),
@@ -428,9 +430,9 @@ def test_defaults_resolve_for_cuda():
 
 
 def test_default_tap_layers_for_deep_targets():
-    assert get_draft_kind("eagle3")().default_tap_layers(32) == [1, 15, 28]
-    assert get_draft_kind("dflash")(num_layers=5).default_tap_layers(36) == [1, 9, 17, 25, 33]
-    assert get_draft_kind("dflash")().default_tap_layers(36) == [18]
+    assert get_draft_kind("eagle3").config().default_tap_layers(32) == [1, 15, 28]
+    assert get_draft_kind("dflash").config(num_layers=5).default_tap_layers(36) == [1, 9, 17, 25, 33]
+    assert get_draft_kind("dflash").config().default_tap_layers(36) == [18]
 
 
 def test_config_from_dict_and_construct_in_code():
@@ -452,15 +454,18 @@ def registry():
 class MedusaConfig(DraftKindConfig):
     """A test kind."""
 
-    vllm_method = "medusa"
     num_heads: int = 2
     """Heads."""
 
 
+MEDUSA = DraftKind("medusa", MedusaConfig, "medusa_pkg:MedusaDrafter", vllm_method="medusa", losses=("hard_ce",),
+                   default_loss="hard_ce")
+
+
 def test_register_new_draft_kind(registry):
     assert "medusa" not in draft_kinds()
-    register_draft_kind("medusa", MedusaConfig)
-    assert get_draft_kind("medusa") is MedusaConfig
+    register_draft_kind(MEDUSA)
+    assert get_draft_kind("medusa") is MEDUSA and "medusa" in speculative_methods()
     cfg = load_config(DEMO, ["draft.kind=medusa", "draft.medusa.num_heads=4", "rollout.speculative.method=medusa",
                              "rollout.speculative.num_speculative_tokens=2"])
     assert cfg.draft.settings.num_heads == 4 and cfg.draft.medusa.num_heads == 4
@@ -469,19 +474,31 @@ def test_register_new_draft_kind(registry):
     err = error_of(["draft.kind=hydra"])
     assert_issue(err, "draft.kind", "allowed: null, eagle3, dflash, dspark, medusa")
     assert_issue(error_of(["draft.medusa.num_heads=x"]), "draft.medusa.num_heads", "expected an integer")
+    # the record's losses decide what draft.loss may be, and its default
+    cfg = load_config(DEMO, ["draft.kind=medusa", "draft.loss=null", "rollout.speculative.method=medusa",
+                             "rollout.speculative.num_speculative_tokens=2"])
+    assert cfg.draft.loss == "hard_ce" and cfg.draft.settings.default_loss == "hard_ce"
+    assert_issue(error_of(["draft.kind=medusa", "draft.loss=soft_ce", "rollout.speculative.method=medusa"]),
+                 "draft.loss", "soft_ce is not available for draft.kind=medusa (allowed: hard_ce)")
+    assert_issue(error_of(["draft.loss=l2"]), "draft.loss",
+                 "allowed: null, soft_ce, forward_kl, hard_ce, e2e_tv, dspark_l1")
     with pytest.raises(ValueError, match="already registered"):
-        register_draft_kind("eagle3", MedusaConfig)
+        register_draft_kind(DraftKind("eagle3", MedusaConfig, "x:Y", vllm_method="eagle3"))
     with pytest.raises(ValueError, match="clashes"):
-        register_draft_kind("loss", MedusaConfig)
+        register_draft_kind(DraftKind("loss", MedusaConfig, "x:Y", vllm_method=None))
+    with pytest.raises(ValueError, match="default_loss 'soft_ce' is not one of its losses"):
+        register_draft_kind(DraftKind("hydra", MedusaConfig, "x:Y", vllm_method=None, losses=("hard_ce",)))
     with pytest.raises(KeyError, match="registered: eagle3"):
         get_draft_kind("hydra")
 
 
 def test_replace_builtin_kind(registry):
-    class Eagle3Plus(get_draft_kind("eagle3")):
+    import dataclasses
+
+    class Eagle3Plus(get_draft_kind("eagle3").config):
         extra: int = 1
 
-    register_draft_kind("eagle3", Eagle3Plus, replace=True)
+    register_draft_kind(dataclasses.replace(get_draft_kind("eagle3"), config=Eagle3Plus), replace=True)
     cfg = load_config(CONFIGS / "demo_eagle3.yaml", ["draft.eagle3.extra=5"])
     assert isinstance(cfg.draft.settings, Eagle3Plus) and cfg.draft.settings.extra == 5
 
@@ -677,3 +694,25 @@ def test_suffix_settings_out_of_range(override, fragment, monkeypatch):
     monkeypatch.setattr(validate, "suffix_decoding_unavailable", lambda: None)
     key = "rollout.speculative.suffix." + override.split("=")[0]
     assert_issue(error_of([*SUFFIX, f"rollout.speculative.suffix.{override}"]), key, fragment)
+
+
+def test_one_record_per_drafter_kind_drives_config_registry_and_models():
+    """The record names the drafter class and the vLLM method; the class the registry imports is that
+    one and speaks that method; a class the record does not name is refused."""
+    from cotrain.draft.registry import Drafter, get_drafter_class, register_drafter
+
+    for kind in draft_kinds():
+        record = get_draft_kind(kind)
+        cls = get_drafter_class(kind)
+        assert f"{cls.__module__}:{cls.__qualname__}" == record.model and cls.vllm_method == record.vllm_method
+        assert record.vllm_method in speculative_methods() and record.default_loss in record.losses
+    with pytest.raises(ValueError, match="registered as cotrain.draft.dflash:DFlashDrafter serving 'dflash'"):
+        register_drafter("dflash", get_drafter_class("eagle3"))
+    with pytest.raises(TypeError, match="not a Drafter subclass"):
+        register_drafter("dflash", object)
+    assert issubclass(get_drafter_class("dspark"), Drafter)
+
+
+def test_the_config_layer_imports_no_torch():
+    code = "import sys, cotrain.config, cotrain.config.validate; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0

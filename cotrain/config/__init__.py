@@ -15,13 +15,13 @@ from typing import Iterable
 from .errors import ConfigError
 from .loader import apply_overrides, deep_merge, load_merged, parse_override, read_config_dict
 from .schema import (
-    DRAFT_LOSSES,
     CheckpointConfig,
     ClusterConfig,
     CotrainConfig,
     DataConfig,
     DFlashConfig,
     DraftConfig,
+    DraftKind,
     DraftKindConfig,
     DSparkConfig,
     Eagle3Config,
@@ -36,6 +36,7 @@ from .schema import (
     SamplingConfig,
     SpeculativeConfig,
     draft_kinds,
+    draft_losses,
     get_draft_kind,
     register_draft_kind,
     speculative_methods,
@@ -58,7 +59,8 @@ __all__ = [
     "Eagle3Config",
     "DFlashConfig",
     "DSparkConfig",
-    "DRAFT_LOSSES",
+    "draft_losses",
+    "DraftKind",
     "RunConfig",
     "ClusterConfig",
     "PolicyConfig",

@@ -105,10 +105,10 @@ def load_distill_config(path: Optional[str | Path] = None, overrides: list[str] 
     if getattr(cfg.draft.settings, "vocab_rebuild_every", 0):
         raise ValueError(f"draft.{cfg.draft.kind}.vocab_rebuild_every: used only by a GRPO run's co-training; "
                          "offline distillation builds the draft vocabulary once, from its data (set it to 0)")
-    loss = cfg.draft.loss or cfg.draft.settings.default_loss
-    if loss not in cfg.draft.settings.allowed_losses:
-        raise ValueError(f"draft.loss: {loss!r} is not allowed for kind {cfg.draft.kind!r} "
-                         f"(allowed: {', '.join(cfg.draft.settings.allowed_losses)})")
+    cfg.draft.loss = cfg.draft.loss or cfg.draft.record.default_loss
+    if cfg.draft.loss not in cfg.draft.record.losses:
+        raise ValueError(f"draft.loss: {cfg.draft.loss!r} is not allowed for kind {cfg.draft.kind!r} "
+                         f"(allowed: {', '.join(cfg.draft.record.losses)})")
     if cfg.draft.branches == "on_policy" and cfg.draft.kind not in ("dflash", "dspark"):
         raise ValueError(f"draft.branches: on_policy needs a block drafter (allowed kinds: dflash, dspark), "
                          f"not {cfg.draft.kind!r}")

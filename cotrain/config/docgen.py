@@ -64,7 +64,7 @@ def _sections(cls: type[BaseModel]) -> list[tuple[str, type[BaseModel], str]]:
             out.append((name, sub, _doc(f.description)))
     if issubclass(cls, DraftConfig):
         for kind in draft_kinds():
-            kcls = get_draft_kind(kind)
+            kcls = get_draft_kind(kind).config
             out.append((kind, kcls, _doc(kcls.__doc__)))
     return out
 

@@ -9,17 +9,21 @@ Values left ``null`` with a documented "null = ..." meaning are resolved by
 :func:`cotrain.config.validate.check_config`, so a validated :class:`CotrainConfig` holds concrete
 values (``cluster.device`` is ``cpu`` or ``cuda``, ``run.output_dir`` is set, ...).
 
-Drafter kinds come from a registry (:func:`register_draft_kind`): each kind has a config model
-(a :class:`DraftKindConfig` subclass) whose section lives under ``draft.<kind>``. ``eagle3``,
-``dflash`` and ``dspark`` are registered here; a new kind plugs in by registering its class,
-without editing any union.
+Drafter kinds come from a registry (:func:`register_draft_kind`): one :class:`DraftKind` record per
+kind names its config model (a :class:`DraftKindConfig` subclass, the ``draft.<kind>`` section),
+its drafter class (imported on first use, by :mod:`cotrain.draft.registry`: this layer stays
+torch-free), the vLLM method that serves it and the losses it trains with; the schema, validation
+and the drafter registry all read that record. ``eagle3``, ``dflash`` and ``dspark`` are
+registered here; a new kind plugs in by registering its record, without editing any union.
 """
 
 from __future__ import annotations
 
+import importlib
 import re
 import typing
-from typing import Annotated, Any, ClassVar, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -45,6 +49,7 @@ __all__ = [
     "SpeculativeConfig",
     "RolloutConfig",
     "DraftKindConfig",
+    "DraftKind",
     "Eagle3Config",
     "DFlashConfig",
     "DSparkConfig",
@@ -60,7 +65,7 @@ __all__ = [
     "LoggingConfig",
     "CheckpointConfig",
     "CotrainConfig",
-    "DRAFT_LOSSES",
+    "draft_losses",
     "register_draft_kind",
     "get_draft_kind",
     "draft_kinds",
@@ -347,8 +352,8 @@ class RolloutConfig(StrictModel):
 
 
 # -------------------------------------------------------------------------------------- draft kinds
-DRAFT_LOSSES: tuple[str, ...] = ("soft_ce", "forward_kl", "hard_ce", "dspark_l1", "e2e_tv")
-_COMMON_LOSSES: tuple[str, ...] = ("soft_ce", "forward_kl", "hard_ce", "e2e_tv")
+#: the losses every drafter trains with (cotrain.draft.losses); a kind's record adds its own
+COMMON_LOSSES: tuple[str, ...] = ("soft_ce", "forward_kl", "hard_ce", "e2e_tv")
 
 
 def spread_layers(n: int, lo: int, hi: int) -> list[int]:
@@ -365,20 +370,18 @@ class DraftKindConfig(StrictModel):
 
     Subclasses set the class variables and may override the ``default_*`` methods and
     :meth:`check`. Tap layer ids count decoder layers from 0 and name the layer whose *output*
-    is tapped (0 <= id < num_hidden_layers); export code translates to vLLM's conventions.
+    is tapped (0 <= id < num_hidden_layers); export code translates to vLLM's conventions. What
+    is not a setting (the drafter class, the vLLM method, the losses) is in the kind's
+    :class:`DraftKind` record.
     """
-
-    #: the rollout.speculative.method that serves this kind in vLLM (None: not servable)
-    vllm_method: ClassVar[str | None] = None
-    #: loss used when draft.loss is null
-    default_loss: ClassVar[str] = "soft_ce"
-    #: values draft.loss may take for this kind
-    allowed_losses: ClassVar[tuple[str, ...]] = _COMMON_LOSSES
-    #: whether vLLM can serve this method on the CPU backend
-    serves_on_cpu: ClassVar[bool] = True
 
     tap_layers: list[Annotated[int, Field(ge=0)]] | None = None
     """Target layers whose outputs feed the drafter (0-based). null = the kind's default."""
+
+    @property
+    def default_loss(self) -> str:
+        """The loss when draft.loss is null (the kind's record's)."""
+        return next(k for k in _DRAFT_KINDS.values() if k.config is type(self)).default_loss
 
     def default_tap_layers(self, num_hidden_layers: int) -> list[int]:
         """Tap layers used when ``tap_layers`` is null."""
@@ -422,8 +425,6 @@ class DraftKindConfig(StrictModel):
 class Eagle3Config(DraftKindConfig):
     """EAGLE-3: taps of three target layers -> fc -> one decoder layer -> LM head, trained with
     train-time test (TTT)."""
-
-    vllm_method: ClassVar[str | None] = "eagle3"
 
     tap_layers: list[Annotated[int, Field(ge=0)]] | None = None
     """Target layers whose outputs feed the drafter. null = low/middle/high: (1, L/2-1, L-4)
@@ -475,8 +476,6 @@ class DFlashConfig(DraftKindConfig):
     """DFlash block drafter: a few decoder layers over projected target taps, one block of
     anchor + mask tokens, bidirectional inside the block."""
 
-    vllm_method: ClassVar[str | None] = "dflash"
-
     tap_layers: list[Annotated[int, Field(ge=0)]] | None = None
     """Target layers whose outputs feed the drafter. null = num_layers layers spread from 1 to
     L-3 (the middle one when num_layers = 1); over 0..L-1 for L < 6."""
@@ -512,11 +511,6 @@ class DSparkConfig(DFlashConfig):
     """DSpark: the DFlash backbone plus a low-rank Markov head on the logits and an optional
     confidence head. vLLM serves it on GPU only."""
 
-    vllm_method: ClassVar[str | None] = "dspark"
-    default_loss: ClassVar[str] = "dspark_l1"
-    allowed_losses: ClassVar[tuple[str, ...]] = _COMMON_LOSSES + ("dspark_l1",)
-    serves_on_cpu: ClassVar[bool] = False
-
     block_size: Annotated[int, Field(ge=2)] = 7
     """Block length B = anchor + B-1 noise tokens (>= 2). Every block position predicts the next
     token (vLLM's anchor-as-first layout), so a block drafts B tokens."""
@@ -540,32 +534,61 @@ class DSparkConfig(DFlashConfig):
 
 
 # ----------------------------------------------------------------------------- draft kind registry
-_DRAFT_KINDS: dict[str, type[DraftKindConfig]] = {}
-_RESERVED_DRAFT_KEYS = frozenset({"kind", "cotrain", "loss", "optimizer", "settings", "init", "push_every",
-                                  "tap_transport", "tap_timeout_s"})
+@dataclass(frozen=True)
+class DraftKind:
+    """Everything cotrain knows about one drafter kind, registered once (:func:`register_draft_kind`)."""
+
+    name: str
+    """``draft.kind``'s value, and the section ``draft.<name>``."""
+    config: type[DraftKindConfig]
+    """The section's settings model."""
+    model: str
+    """``"module:Class"`` of its :class:`cotrain.draft.registry.Drafter` (imported on first use)."""
+    vllm_method: str | None
+    """The rollout.speculative.method that serves it in vLLM (None: not servable)."""
+    losses: tuple[str, ...] = COMMON_LOSSES
+    """The values draft.loss may take for it."""
+    default_loss: str = "soft_ce"
+    """draft.loss when it is null."""
+    serves_on_cpu: bool = True
+    """Whether vLLM serves its method on the CPU backend."""
+
+    def model_class(self) -> type:
+        """The drafter class (imports its module)."""
+        module, _, cls = self.model.partition(":")
+        return getattr(importlib.import_module(module), cls)
 
 
-def register_draft_kind(name: str, config_cls: type[DraftKindConfig], *, replace: bool = False) -> None:
-    """Register a drafter kind: ``draft.kind: <name>`` selects it and ``draft.<name>`` holds its
-    settings, validated by ``config_cls`` (a :class:`DraftKindConfig` subclass).
+_DRAFT_KINDS: dict[str, DraftKind] = {}
+_RESERVED_DRAFT_KEYS = frozenset({"kind", "cotrain", "loss", "branches", "optimizer", "settings", "init",
+                                  "push_every", "tap_transport", "tap_timeout_s"})
+
+
+def register_draft_kind(kind: DraftKind, *, replace: bool = False) -> None:
+    """Register a drafter kind: ``draft.kind: <kind.name>`` selects it and ``draft.<kind.name>`` holds
+    its settings, validated by ``kind.config`` (a :class:`DraftKindConfig` subclass).
 
     Re-registering the same name needs ``replace=True`` (e.g. to extend a built-in kind with a
-    subclass that adds fields).
+    settings subclass that adds fields).
     """
+    name = kind.name
     if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
         raise ValueError(f"drafter kind name {name!r} must match [a-z][a-z0-9_]*")
     if name in _RESERVED_DRAFT_KEYS:
         raise ValueError(f"drafter kind name {name!r} clashes with a draft.* key")
-    if not (isinstance(config_cls, type) and issubclass(config_cls, DraftKindConfig)):
-        raise TypeError(f"{config_cls!r} is not a DraftKindConfig subclass")
-    if name in _DRAFT_KINDS and _DRAFT_KINDS[name] is not config_cls and not replace:
+    if not (isinstance(kind.config, type) and issubclass(kind.config, DraftKindConfig)):
+        raise TypeError(f"{kind.config!r} is not a DraftKindConfig subclass")
+    if kind.default_loss not in kind.losses:
+        raise ValueError(f"drafter kind {name!r}: default_loss {kind.default_loss!r} is not one of its losses "
+                         f"{kind.losses}")
+    if name in _DRAFT_KINDS and _DRAFT_KINDS[name] != kind and not replace:
         raise ValueError(f"drafter kind {name!r} is already registered "
-                         f"({_DRAFT_KINDS[name].__name__}); pass replace=True")
-    _DRAFT_KINDS[name] = config_cls
+                         f"({_DRAFT_KINDS[name].config.__name__}); pass replace=True")
+    _DRAFT_KINDS[name] = kind
 
 
-def get_draft_kind(name: str) -> type[DraftKindConfig]:
-    """The config class of a registered drafter kind (KeyError lists the registered kinds)."""
+def get_draft_kind(name: str) -> DraftKind:
+    """The record of a registered drafter kind (KeyError lists the registered kinds)."""
     try:
         return _DRAFT_KINDS[name]
     except KeyError:
@@ -577,20 +600,26 @@ def draft_kinds() -> tuple[str, ...]:
     return tuple(_DRAFT_KINDS)
 
 
+def draft_losses() -> tuple[str, ...]:
+    """Every value draft.loss may take for some registered kind (besides null)."""
+    return tuple(dict.fromkeys(loss for k in _DRAFT_KINDS.values() for loss in k.losses))
+
+
 def speculative_methods() -> tuple[str, ...]:
     """Values rollout.speculative.method may take (besides null)."""
     methods = ["ngram", "draft_model"]
-    for cls in _DRAFT_KINDS.values():
-        if cls.vllm_method and cls.vllm_method not in methods:
-            methods.append(cls.vllm_method)
+    for kind in _DRAFT_KINDS.values():
+        if kind.vllm_method and kind.vllm_method not in methods:
+            methods.append(kind.vllm_method)
     if "suffix" not in methods:
         methods.append("suffix")  # model-free, like ngram (listed last: no drafter kind serves it)
     return tuple(methods)
 
 
-register_draft_kind("eagle3", Eagle3Config)
-register_draft_kind("dflash", DFlashConfig)
-register_draft_kind("dspark", DSparkConfig)
+register_draft_kind(DraftKind("eagle3", Eagle3Config, "cotrain.draft.eagle3:Eagle3Drafter", vllm_method="eagle3"))
+register_draft_kind(DraftKind("dflash", DFlashConfig, "cotrain.draft.dflash:DFlashDrafter", vllm_method="dflash"))
+register_draft_kind(DraftKind("dspark", DSparkConfig, "cotrain.draft.dspark:DSparkDrafter", vllm_method="dspark",
+                              losses=COMMON_LOSSES + ("dspark_l1",), default_loss="dspark_l1", serves_on_cpu=False))
 
 
 # ------------------------------------------------------------------------------------------- draft
@@ -605,10 +634,11 @@ class DraftConfig(StrictModel):
     cotrain: bool = True
     """Train the drafter online on the policy's rollouts (ignored when kind is null). false =
     serve fixed drafter weights (rollout.speculative.draft_model)."""
-    loss: Literal["soft_ce", "forward_kl", "hard_ce", "dspark_l1", "e2e_tv"] | None = None
+    loss: str | None = None
     """Drafter loss: soft_ce / forward_kl against the detached policy distribution, hard_ce on
     the sampled tokens, dspark_l1 (DSpark only: CE + L1 of probabilities), e2e_tv (prefix
-    acceptance surrogate). null = the kind's default (dspark_l1 for dspark, else soft_ce)."""
+    acceptance surrogate); each kind allows the losses of its registration. null = the kind's
+    default (dspark_l1 for dspark, else soft_ce)."""
     branches: Literal["teacher_forced", "on_policy"] = "teacher_forced"
     """Where the supervised draft tokens come from: teacher_forced = chains on the reference
     (rollout / distillation) tokens; on_policy = SpecOPD branches the drafter samples itself from
@@ -642,6 +672,13 @@ class DraftConfig(StrictModel):
             raise ValueError(f"{v!r} is not a registered drafter kind (allowed: {allowed})")
         return v
 
+    @field_validator("loss")
+    @classmethod
+    def _loss_known(cls, v: str | None) -> str | None:
+        if v is not None and v not in draft_losses():
+            raise ValueError(f"{v!r} is not a drafter loss (allowed: {', '.join(['null', *draft_losses()])})")
+        return v
+
     @model_validator(mode="wrap")
     @classmethod
     def _split_kind_sections(cls, data: Any, handler: Any) -> DraftConfig:
@@ -652,7 +689,8 @@ class DraftConfig(StrictModel):
         rest = dict(data)
         kinds: dict[str, DraftKindConfig] = {}
         line_errors: list[dict[str, Any]] = []
-        for name, kcls in _DRAFT_KINDS.items():
+        for name, kind in _DRAFT_KINDS.items():
+            kcls = kind.config
             section = rest.pop(name, None)
             try:
                 if isinstance(section, kcls):
@@ -690,6 +728,11 @@ class DraftConfig(StrictModel):
     def settings(self) -> DraftKindConfig | None:
         """Settings of the active kind (None when kind is null)."""
         return self._kinds.get(self.kind) if self.kind else None
+
+    @property
+    def record(self) -> DraftKind | None:
+        """The active kind's registration (None when kind is null)."""
+        return _DRAFT_KINDS[self.kind] if self.kind else None
 
     def kind_settings(self, name: str) -> DraftKindConfig:
         """Settings of any registered kind."""
@@ -1009,5 +1052,5 @@ def section_keys(cls: type[BaseModel]) -> dict[str, type[BaseModel] | None]:
         name: section_class(f.annotation) for name, f in cls.model_fields.items()
     }
     if issubclass(cls, DraftConfig):
-        keys.update(_DRAFT_KINDS)
+        keys.update({name: kind.config for name, kind in _DRAFT_KINDS.items()})
     return keys

@@ -24,7 +24,7 @@ from typing import Any, Callable
 from pydantic import ValidationError
 
 from .errors import ConfigError, from_validation_error
-from .schema import CotrainConfig, DraftKindConfig, get_draft_kind
+from .schema import CotrainConfig, DraftKindConfig, draft_kinds, get_draft_kind
 
 __all__ = ["ModelArch", "load_model_arch", "check_config", "config_from_dict", "CHECKS"]
 
@@ -146,12 +146,12 @@ def resolve(cfg: CotrainConfig, arch: ModelArch | None) -> None:
     kind = _kind(cfg)
     if kind is not None:
         if cfg.draft.loss is None:
-            cfg.draft.loss = type(kind).default_loss
+            cfg.draft.loss = cfg.draft.record.default_loss
         if arch is not None:
             kind.resolve(arch.num_hidden_layers)
     spec = r.speculative
     if spec.method is not None and spec.num_speculative_tokens is None:
-        served = kind if kind is not None and type(kind).vllm_method == spec.method else None
+        served = kind if kind is not None and cfg.draft.record.vllm_method == spec.method else None
         spec.num_speculative_tokens = served.default_num_speculative_tokens() if served else 3
     if cfg.grpo.global_batch_size is None:
         cfg.grpo.global_batch_size = cfg.rollout_batch_size
@@ -367,17 +367,17 @@ def check_speculative(cfg: CotrainConfig) -> list[Issue]:
     if m == "draft_model" and spec.draft_model is None:
         issues.append(("rollout.speculative.draft_model", "is required by method draft_model (allowed: a "
                        "HF checkpoint directory of the draft model)"))
-    served_kinds = [k for k in _registered_kinds() if get_draft_kind(k).vllm_method == m]
+    served_kinds = [k for k in draft_kinds() if get_draft_kind(k).vllm_method == m]
     if served_kinds:
-        kcls = get_draft_kind(served_kinds[0])
+        record = get_draft_kind(served_kinds[0])
         if d.kind not in served_kinds and spec.draft_model is None:
             issues.append(("rollout.speculative.method", f"{m} needs a drafter: draft.kind={served_kinds[0]} "
                            f"(got {d.kind or 'null'}) or rollout.speculative.draft_model (allowed with "
                            f"draft.kind={d.kind or 'null'}: null, ngram, draft_model"
-                           + (f", {get_draft_kind(d.kind).vllm_method}" if d.kind else "") + ")"))
-        if not kcls.serves_on_cpu and cfg.cluster.device == "cpu":
+                           + (f", {d.record.vllm_method}" if d.kind else "") + ")"))
+        if not record.serves_on_cpu and cfg.cluster.device == "cpu":
             cpu_ok = ["null", "ngram", "draft_model"] + [
-                get_draft_kind(k).vllm_method for k in _registered_kinds()
+                get_draft_kind(k).vllm_method for k in draft_kinds()
                 if get_draft_kind(k).serves_on_cpu and get_draft_kind(k).vllm_method]
             issues.append(("rollout.speculative.method", f"{m} serving on CPU is not supported by vLLM (its "
                            f"{m} runner is GPU-only; allowed on cpu: {', '.join(cpu_ok)}). To co-train a "
@@ -442,12 +442,6 @@ def check_batch_size_schedule(spec) -> list[Issue]:
     return []
 
 
-def _registered_kinds() -> tuple[str, ...]:
-    from .schema import draft_kinds
-
-    return draft_kinds()
-
-
 def check_draft(cfg: CotrainConfig, arch: ModelArch | None) -> list[Issue]:
     """The active drafter kind: its loss, its settings against the target, its weights."""
     issues: list[Issue] = []
@@ -455,10 +449,9 @@ def check_draft(cfg: CotrainConfig, arch: ModelArch | None) -> list[Issue]:
     kind = d.settings
     if kind is None:
         return issues
-    kcls = type(kind)
-    if d.loss is not None and d.loss not in kcls.allowed_losses:
+    if d.loss is not None and d.loss not in d.record.losses:
         issues.append(("draft.loss", f"{d.loss} is not available for draft.kind={d.kind} (allowed: "
-                       f"{', '.join(kcls.allowed_losses)})"))
+                       f"{', '.join(d.record.losses)})"))
     if d.branches == "on_policy":
         issues.append(("draft.branches", "on_policy is not yet available in online co-training (allowed: "
                        "teacher_forced; on_policy runs in the offline distillation, python -m cotrain.draft.distill)"))

@@ -1,8 +1,9 @@
-"""Drafter registry: kind name -> drafter class (the model side of ``draft.kind``).
+"""Drafters by kind: the model side of ``draft.kind``.
 
-The config side lives in :mod:`cotrain.config.schema` (``register_draft_kind``); a drafter class
-names its config class, its vLLM method and architecture. ``build_drafter(kind, settings,
-target)`` validates the settings against the target and builds the module.
+Each kind is registered once, by its :class:`cotrain.config.schema.DraftKind` record (settings
+class, drafter class, vLLM method, losses); :func:`get_drafter_class` imports the class the record
+names, and ``build_drafter(kind, settings, target)`` validates the settings against the target
+and builds the module.
 
 Every drafter implements:
 
@@ -21,7 +22,7 @@ from typing import ClassVar, Optional
 import torch
 import torch.nn as nn
 
-from cotrain.config.schema import DraftKindConfig, get_draft_kind
+from cotrain.config.schema import DraftKindConfig, draft_kinds, get_draft_kind
 from cotrain.draft.common import DraftBatch, DraftOutput
 from cotrain.draft.taps import TargetSpec, to_vllm_ids
 from cotrain.parallel import BranchLayout
@@ -160,41 +161,36 @@ class Drafter(nn.Module):
         }
 
 
-_DRAFTERS: dict[str, type[Drafter]] = {}
-
-
-def register_drafter(kind: str, cls: type[Drafter], *, replace: bool = False) -> type[Drafter]:
-    """Register ``cls`` as the drafter of config kind ``kind`` (the config kind must exist)."""
-    get_draft_kind(kind)  # KeyError with the registered kinds if the config side is missing
+def register_drafter(kind: str, cls: type[Drafter]) -> type[Drafter]:
+    """Check, as a drafter module defines ``cls``, that it is the class and speaks the vLLM method
+    the record of ``kind`` names (the record is the registration; this catches the two drifting)."""
+    record = get_draft_kind(kind)  # KeyError with the registered kinds
     if not (isinstance(cls, type) and issubclass(cls, Drafter)):
         raise TypeError(f"{cls!r} is not a Drafter subclass")
-    if kind in _DRAFTERS and _DRAFTERS[kind] is not cls and not replace:
-        raise ValueError(f"drafter kind {kind!r} is already registered ({_DRAFTERS[kind].__name__}); pass replace=True")
-    _DRAFTERS[kind] = cls
+    if record.model != f"{cls.__module__}:{cls.__qualname__}" or cls.vllm_method != record.vllm_method:
+        raise ValueError(f"drafter kind {kind!r} is registered as {record.model} serving {record.vllm_method!r}, "
+                         f"not {cls.__module__}:{cls.__qualname__} serving {cls.vllm_method!r}")
     return cls
 
 
 def get_drafter_class(kind: str) -> type[Drafter]:
-    _ensure_builtin()
     try:
-        return _DRAFTERS[kind]
+        record = get_draft_kind(kind)
     except KeyError:
         raise KeyError(f"no drafter registered for kind {kind!r} (registered: {', '.join(drafter_kinds())})") from None
+    return record.model_class()
 
 
 def drafter_kinds() -> tuple[str, ...]:
-    """Kinds with a drafter class, in the config registry's order."""
-    from cotrain.config.schema import draft_kinds
-
-    _ensure_builtin()
-    return tuple(k for k in draft_kinds() if k in _DRAFTERS)
+    """The registered kinds, in registration order."""
+    return draft_kinds()
 
 
 def build_drafter(kind: str, settings: DraftKindConfig | dict | None, target: TargetSpec,
                   seed: Optional[int] = 0) -> Drafter:
     """Validated drafter of ``kind`` for ``target`` (settings: the ``draft.<kind>`` section)."""
     cls = get_drafter_class(kind)
-    cfg_cls = get_draft_kind(kind)
+    cfg_cls = get_draft_kind(kind).config
     if settings is None:
         settings = cfg_cls()
     elif isinstance(settings, dict):
@@ -203,10 +199,3 @@ def build_drafter(kind: str, settings: DraftKindConfig | dict | None, target: Ta
         raise TypeError(f"settings for {kind!r} must be a {cfg_cls.__name__}, got {type(settings).__name__}")
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     return cls(settings, target, generator=gen)
-
-
-def _ensure_builtin() -> None:
-    # each module registers itself on import (idempotent)
-    import cotrain.draft.dflash  # noqa: F401
-    import cotrain.draft.dspark  # noqa: F401
-    import cotrain.draft.eagle3  # noqa: F401

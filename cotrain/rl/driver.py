@@ -187,7 +187,7 @@ class GrpoRun:
     def serves_cotrained_drafter(self) -> bool:
         """The engines draft with the co-trained drafter (else it trains, measured offline only)."""
         d, spec = self.cfg.draft, self.cfg.rollout.speculative
-        return self.cotrain and spec.method is not None and spec.method == d.settings.vllm_method
+        return self.cotrain and spec.method is not None and spec.method == d.record.vllm_method
 
     # ------------------------------------------------------------------ one step
     def sampling(self, step: int) -> SamplingSpec:
