@@ -711,6 +711,9 @@ def test_one_record_per_drafter_kind_drives_config_registry_and_models():
     with pytest.raises(TypeError, match="not a Drafter subclass"):
         register_drafter("dflash", object)
     assert issubclass(get_drafter_class("dspark"), Drafter)
+    from cotrain.draft import losses  # every loss a record allows is implemented
+
+    assert set(schema_mod.draft_losses()) == set(losses.LOSSES)
 
 
 def test_the_config_layer_imports_no_torch():
