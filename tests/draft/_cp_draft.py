@@ -1,7 +1,11 @@
 """Rank function of the CP test: every drafter family on zigzag shards of a CP group."""
 
+import contextlib
+import dataclasses
+
 import torch
 
+from cotrain.draft import reference
 from cotrain.draft.common import DraftBatch
 from cotrain.draft.cp import fetch_rows
 from cotrain.draft.losses import soft_ce
@@ -25,11 +29,13 @@ def make_batch(drafter, seed=0):
     return DraftBatch(ids, cu, taps, pos >= 2, logits, torch.full((len(LENS),), 2))
 
 
-def run_family(kind, target_path, rank, cp, group=None, blocks_on_rank=None):
+def run_family(kind, target_path, rank, cp, group=None, blocks_on_rank=None, old=False):
     """Chains (bonus, logits, valid) and grads of a soft-CE step (normalised by the global count).
 
     blocks_on_rank (block drafters): anchors only among the candidates that CP rank (of a CP = 2
-    layout) holds, the same anchors at any cp: the other rank owns no block."""
+    layout) holds, the same anchors at any cp: the other rank owns no block.
+    old: the path before issue 17 (cotrain.draft.reference: all-zero main queries, dense buckets at
+    CP = 1, the loss on full tensors)."""
     target = TargetSpec.from_checkpoint(target_path)
     d = build_drafter(kind, SETTINGS[kind], target, seed=3)
     full = make_batch(d)
@@ -46,7 +52,8 @@ def run_family(kind, target_path, rank, cp, group=None, blocks_on_rank=None):
                            None, full.response_start)
     else:
         batch = full
-    out = d(batch, layout, group=group)
+    with reference.dense_attention() if old else contextlib.nullcontext():
+        out = d(batch, layout, group=group)
     # targets: this rank holds only its zigzag shard of the target logits; fetch_rows brings the
     # rows its chains need from their owners
     if cp > 1:
@@ -64,7 +71,11 @@ def run_family(kind, target_path, rank, cp, group=None, blocks_on_rank=None):
         r = out.target_rows[out.valid]
         remote = int((anchor_owner(full.cu_seqlens, r, cp) != rank).sum())
     n_global = int(d(full, layout.with_cp(1)).valid.sum())
-    loss = soft_ce(out.logits, p, out.valid) * out.valid.sum() / n_global
+    if old:  # the old loss on full tensors, unweighted like soft_ce here
+        loss = reference.draft_loss("soft_ce", dataclasses.replace(out, loss_weight=None), p)[0]
+    else:
+        loss = soft_ce(out.logits, p, out.valid)
+    loss = loss * out.valid.sum() / n_global
     loss.backward()
     grads = {n: q.grad.clone() if q.grad is not None else torch.zeros_like(q) for n, q in d.named_parameters()}
     return {"bonus": out.bonus_pos, "logits": out.logits.detach(), "valid": out.valid, "grads": grads,
@@ -74,6 +85,11 @@ def run_family(kind, target_path, rank, cp, group=None, blocks_on_rank=None):
 def rank_fn(rank, world, target_path):
     torch.manual_seed(0)
     return {kind: run_family(kind, target_path, rank, world, group=None) for kind in SETTINGS}
+
+
+def rank_fn_old(rank, world, target_path):
+    torch.manual_seed(0)
+    return {kind: run_family(kind, target_path, rank, world, group=None, old=True) for kind in SETTINGS}
 
 
 def rank_fn_blocks_on_one_rank(rank, world, target_path, owner):

@@ -29,6 +29,25 @@ def test_cp2_matches_cp1(tiny_model_path, one_thread):
             torch.testing.assert_close(total, g, atol=5e-5, rtol=5e-4, msg=f"{kind} {name}")
 
 
+def test_new_path_matches_the_old_at_cp1_and_cp2(tiny_model_path, one_thread):
+    # issue 17: no main queries (q=None) and kernel tiles instead of all-zero main queries, dense
+    # buckets at CP = 1 and full-tensor losses: the same chains and gradients, at CP = 1 and CP = 2
+    import _cp_draft
+
+    new = _cp_draft.run_world(_cp_draft.rank_fn, 2, str(tiny_model_path))
+    old = _cp_draft.run_world(_cp_draft.rank_fn_old, 2, str(tiny_model_path))
+    for kind in _cp_draft.SETTINGS:
+        pairs = [(_cp_draft.run_family(kind, str(tiny_model_path), 0, 1),
+                  _cp_draft.run_family(kind, str(tiny_model_path), 0, 1, old=True))]
+        pairs += [(n[kind], o[kind]) for n, o in zip(new, old)]
+        for a, b in pairs:
+            assert torch.equal(a["bonus"], b["bonus"]) and torch.equal(a["valid"], b["valid"]), kind
+            torch.testing.assert_close(a["logits"], b["logits"], atol=2e-5, rtol=2e-5)
+            for name, g in b["grads"].items():
+                torch.testing.assert_close(a["grads"][name], g, atol=5e-5, rtol=5e-4, msg=f"{kind} {name}")
+            assert any(float(g.abs().sum()) > 0 for g in b["grads"].values()), kind
+
+
 @pytest.mark.parametrize("owner", [0, 1])
 def test_cp2_rank_without_blocks_matches_cp1(tiny_model_path, one_thread, owner):
     # Block drafters run branch attention without main queries; a rank that owns no block still
