@@ -167,7 +167,8 @@ class Arm:
     def summary(self) -> dict:
         d = self.drafter
         return {"step_ms": spread(self.round_ms), "per_round_step_ms": self.round_ms,
-                "peak_step_mib": spread(self.peak_mib), "state_mib": self.state_mib(),
+                "peak_step_mib": spread(self.peak_mib), "per_round_peak_step_mib": self.peak_mib,
+                "state_mib": self.state_mib(),
                 "head_rows": d.lm_head.weight.shape[0],
                 "trainable_params": sum(p.numel() for p in d.parameters() if p.requires_grad),
                 "vocab": self.vocab_info, "final_loss": self.losses[-1]}
@@ -222,7 +223,8 @@ def markdown(data: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(data: dict, path: Path) -> None:
+def plot(data: dict, path: Path):
+    """Draw the two panels (step time, peak step memory; log scale) to ``path``; returns the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -247,6 +249,7 @@ def plot(data: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return fig
 
 
 def parse_args(argv=None):
