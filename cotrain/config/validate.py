@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from .errors import ConfigError, from_validation_error
 from .schema import CotrainConfig, DraftKindConfig, draft_kinds, get_draft_kind
 
-__all__ = ["ModelArch", "load_model_arch", "check_config", "config_from_dict", "CHECKS"]
+__all__ = ["ModelArch", "load_model_arch", "check_config", "config_from_dict", "engine_defaults", "CHECKS"]
 
 Issue = tuple[str, str]
 
@@ -109,6 +109,21 @@ def _kind(cfg: CotrainConfig) -> DraftKindConfig | None:
 
 
 # ------------------------------------------------------------------------------------ resolve
+CPU_KV_CACHE_BYTES = 256 * 2**20  # vLLM's CPU default would ask for most of the machine's memory
+GPU_MEMORY_UTILIZATION = 0.85
+COLOCATED_GPU_MEMORY_UTILIZATION = 0.4  # the trainers hold the rest of the device
+
+
+def engine_defaults(cuda: bool, colocate: bool = False) -> dict[str, Any]:
+    """What an engine takes for the rollout.* keys left null (the one place they are decided; the
+    engines built outside a run use them too): eager on cpu; memory on cuda as a fraction of the
+    device, on cpu as an explicit KV-cache size."""
+    return {"enforce_eager": not cuda,
+            "gpu_memory_utilization": (COLOCATED_GPU_MEMORY_UTILIZATION if colocate else GPU_MEMORY_UTILIZATION)
+            if cuda else None,
+            "kv_cache_memory_bytes": None if cuda else CPU_KV_CACHE_BYTES}
+
+
 def resolve(cfg: CotrainConfig, arch: ModelArch | None) -> None:
     """Replace the documented null / auto values by concrete ones (in place)."""
     c, r = cfg.cluster, cfg.rollout
@@ -128,13 +143,12 @@ def resolve(cfg: CotrainConfig, arch: ModelArch | None) -> None:
         cfg.logging.mlflow.tracking_uri = f"{out}/mlruns"
     if r.gpus_per_engine is None:
         r.gpus_per_engine = float(r.tensor_parallel) if cuda else 0.0
+    engine = engine_defaults(cuda, r.colocate)
     if r.enforce_eager is None:
-        r.enforce_eager = not cuda
+        r.enforce_eager = engine["enforce_eager"]
     if r.gpu_memory_utilization is None and r.kv_cache_memory_bytes is None:
-        if cuda:
-            r.gpu_memory_utilization = 0.4 if r.colocate else 0.85
-        else:
-            r.kv_cache_memory_bytes = 256 * 2**20
+        r.gpu_memory_utilization = engine["gpu_memory_utilization"]
+        r.kv_cache_memory_bytes = engine["kv_cache_memory_bytes"]
     multi = c.num_nodes > 1
     if r.weight_transport == "auto":
         # several nodes: engines beside other ranks than trainer rank 0 (the sender) cannot map its IPC handles

@@ -37,6 +37,7 @@ from cotrain.rl.weight_transport import (
     localize_handle,
     make_transport,
     manifest_of,
+    push_through,
     resolve_transport_name,
     shared_name_reasons,
 )
@@ -51,7 +52,7 @@ class EngineSpec:
     """Everything needed to build one engine (picklable: it travels to Ray actors).
 
     ``speculative`` is vLLM's ``speculative_config`` (see
-    :func:`cotrain.rl.vllm_engine.speculative_config`); ``multiprocess`` chooses vLLM's
+    :func:`cotrain.rl.vllm.engine.speculative_config`); ``multiprocess`` chooses vLLM's
     multi-process mode (None: ``COTRAIN_VLLM_MULTIPROCESS``, default on); ``extra`` goes to
     ``LLM(...)`` unchanged.
     """
@@ -70,7 +71,7 @@ class EngineSpec:
     extra: dict = field(default_factory=dict)
 
     def build(self):
-        from cotrain.rl.vllm_engine import make_cotrain_llm
+        from cotrain.rl.vllm.engine import make_cotrain_llm
 
         extra = dict(self.extra)
         if self.tensor_parallel_size != 1:
@@ -123,10 +124,10 @@ def _aggregate(samples: list[list[Sample]], seconds: float) -> dict[str, float]:
 
 # --------------------------------------------------------------------------------- one engine
 class VllmGeneration(GenerationBackend):
-    """One vLLM engine in this process, with cotrain's extension (see :mod:`cotrain.rl.vllm_ext`).
+    """One vLLM engine in this process, with cotrain's extension (see :mod:`cotrain.rl.vllm`).
 
     ``VllmGeneration(EngineSpec(path))`` builds the engine; ``VllmGeneration(llm=...)`` wraps one
-    built by :func:`cotrain.rl.vllm_engine.make_cotrain_llm`. ``transport`` carries
+    built by :func:`cotrain.rl.vllm.engine.make_cotrain_llm`. ``transport`` carries
     :meth:`push_weights` (default: ``auto`` = shm on CPU, cuda_ipc on GPU).
     """
 
@@ -208,19 +209,11 @@ class VllmGeneration(GenerationBackend):
 
     def push_weights(self, kind: WeightKind, named_tensors: dict[str, torch.Tensor], version: int) -> dict[str, Any]:
         """Send through :attr:`transport` and load; raises :class:`WeightPushError` (engine unchanged)."""
-        t0 = time.perf_counter()
-        handle = self.transport.send(named_tensors, version)
-        send_s = time.perf_counter() - t0
-        try:
-            stats = self.push_handle(kind, handle, version)
-        finally:
-            self.transport.release(handle)
-        stats["send_s"] = send_s
-        return stats
+        return push_through(self.transport, named_tensors, version, lambda h: self.push_handle(kind, h, version))
 
     def push_handle(self, kind: WeightKind, handle: dict, version: int | None = None) -> dict[str, Any]:
         """Load a handle made by a trainer's :class:`WeightTransport` (the sender releases it)."""
-        from cotrain.rl.vllm_ext import push_handle
+        from cotrain.rl.vllm.client import push_handle
 
         if kind == "draft":
             try:
@@ -254,12 +247,12 @@ class VllmGeneration(GenerationBackend):
 
     def drain(self, handle: dict) -> None:
         """Receive and drop an ``nccl`` push this engine will not load (no-op for other transports)."""
-        from cotrain.rl.vllm_ext import drain_broadcast
+        from cotrain.rl.vllm.client import drain_broadcast
 
         drain_broadcast(self.llm, handle)
 
     def status(self) -> dict[str, Any]:
-        from cotrain.rl.vllm_ext import engine_status
+        from cotrain.rl.vllm.client import engine_status
 
         st = engine_status(self.llm)
         st.update(weight_version=self.weight_version(), draft_version=self.draft_version,
@@ -455,16 +448,11 @@ class RolloutGroup(GenerationBackend):
                        forbidden=shared_name_reasons([row[0] for row in manifest], exp["shared"]))
 
     def push_weights(self, kind: WeightKind, named_tensors: dict[str, torch.Tensor], version: int) -> dict[str, Any]:
+        """Validate against engine 0's checkpoint before any engine changes, then send once and load
+        into every engine."""
         self.check(kind, manifest_of(named_tensors))
-        t0 = time.perf_counter()
-        handle = self.transport.send(named_tensors, version)
-        send_s = time.perf_counter() - t0
-        try:
-            stats = self.push_handle(kind, handle, version, checked=True)
-        finally:
-            self.transport.release(handle)
-        stats["send_s"] = send_s
-        return stats
+        return push_through(self.transport, named_tensors, version,
+                            lambda h: self.push_handle(kind, h, version, checked=True))
 
     def push_handle(self, kind: WeightKind, handle: dict, version: int | None = None, *,
                     checked: bool = False) -> dict[str, Any]:
@@ -574,7 +562,7 @@ def _unwrap(e: Exception) -> str:
 def engine_spec_from_config(cfg, *, model_path: str | None = None, draft_model: str | None = None,
                             multiprocess: bool | None = None) -> EngineSpec:
     """An :class:`EngineSpec` from a validated ``CotrainConfig`` (its ``rollout`` section)."""
-    from cotrain.rl.vllm_engine import speculative_config
+    from cotrain.rl.vllm.engine import speculative_config
 
     r = cfg.rollout
     path = model_path or cfg.policy.model_path

@@ -43,9 +43,10 @@ import pickle
 import queue
 import tempfile
 import threading
+import time
 import uuid
 from abc import ABC, abstractmethod
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -73,6 +74,20 @@ class WeightTransport(ABC):
 
     def release(self, handle: dict) -> None:  # noqa: B027 - optional
         """Free what :meth:`send` allocated, once every receiver is done."""
+
+
+def push_through(transport: WeightTransport, named_tensors: dict[str, torch.Tensor], version: int,
+                 load: Callable[[dict], dict[str, Any]]) -> dict[str, Any]:
+    """The one push sequence: ``send`` the tensors, ``load(handle)`` them into the engine(s), and
+    ``release`` the handle whatever ``load`` did; returns ``load``'s timings plus ``send_s``."""
+    t0 = time.perf_counter()
+    handle = transport.send(named_tensors, version)
+    send_s = time.perf_counter() - t0
+    try:
+        stats = load(handle)
+    finally:
+        transport.release(handle)
+    return {**stats, "send_s": send_s}
 
 
 # ------------------------------------------------------------------------------------ manifests
@@ -402,21 +417,13 @@ def update_info_manifest(info: dict) -> Manifest:
     return [[n, [int(x) for x in s], d] for n, d, s in zip(names, dts, shapes)]
 
 
-def wire_safe_update_info(info: dict) -> dict:
-    """vLLM's IPC payload carries CUDA IPC rebuild arguments (tuples holding classes and dtypes),
-    which vLLM's msgpack channel to a multi-process engine core refuses. As vLLM's own HTTP
-    client does, send them pickled (``ipc_handles_pickled``, base64); cotrain's backend in the
-    engine unpickles them (:func:`restore_update_info`) without vLLM's process-wide
-    ``VLLM_ALLOW_INSECURE_SERIALIZATION``: the handle comes from the run's own trainer."""
-    if info.get("ipc_handles") is None:
-        return info
-    out = {k: v for k, v in info.items() if k != "ipc_handles"}
-    out["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(info["ipc_handles"])).decode("ascii")
-    return out
-
-
 def restore_update_info(info: dict) -> dict:
-    """The inverse of :func:`wire_safe_update_info`: the payload vLLM's worker engine parses."""
+    """vLLM's IPC payload carries CUDA IPC rebuild arguments (tuples holding classes and dtypes),
+    which vLLM's msgpack channel to a multi-process engine core refuses, so the sender pickles them
+    as vLLM's own HTTP client does (``_json_safe_update_info``: ``ipc_handles_pickled``, base64).
+    vLLM's worker unpickles them only under the process-wide ``VLLM_ALLOW_INSECURE_SERIALIZATION``;
+    cotrain's backend does it here instead, for the run's own trainer's handles: the payload vLLM's
+    worker engine parses."""
     if "ipc_handles_pickled" not in info:
         return dict(info)
     out = {k: v for k, v in info.items() if k != "ipc_handles_pickled"}
@@ -490,7 +497,7 @@ class _VllmSender(WeightTransport):
     push by push. ``send`` stages the tensors on this process's GPU, starts the engine's
     ``send_weights`` in a background thread with a :class:`_Handoff` client and returns as soon
     as vLLM has built the update payload: ``{"transport", "version", "manifest", "id",
-    "update_info"}``. The engine side (``cotrain.rl.vllm_ext``) validates the manifest and lets
+    "update_info"}``. The engine side (``cotrain.rl.vllm.transfer_backend``) validates the manifest and lets
     vLLM's matching worker engine receive. ``release`` ends the round trip and reports its
     errors. One push at a time: ``send`` refuses while another is unreleased.
 
@@ -559,13 +566,15 @@ class _VllmSender(WeightTransport):
             raise RuntimeError(f"{self.name}: vLLM sent a chunked update ({len(payload)} parts); cotrain pushes "
                                "one update per handle (packed=False for IPC)")
         self._pending[hid] = (th, client, errors)
-        info = wire_safe_update_info(dict(payload))
+        from vllm.distributed.weight_transfer.clients import _json_safe_update_info
+
+        info = _json_safe_update_info(dict(payload))
         return {"transport": self.name, "version": int(version), "manifest": update_info_manifest(info),
                 "id": hid, "seq": self._seq, "update_info": info}
 
     def receive(self, handle: dict) -> dict[str, torch.Tensor]:
         raise WeightPushError(f"{self.name} handles are received by vLLM's {VLLM_BACKENDS[self.name]!r} engine "
-                              "inside the rollout workers (cotrain.rl.vllm_ext), not by a cotrain transport")
+                              "inside the rollout workers (cotrain.rl.vllm.transfer_backend), not by a cotrain transport")
 
     def release(self, handle: dict) -> None:
         entry = self._pending.pop(handle.get("id") if isinstance(handle, dict) else None, None)
@@ -708,7 +717,7 @@ def make_transport(name: str = "auto", *, colocated: bool = True, **kwargs: Any)
 
 def receiver_for(handle: dict) -> WeightTransport:
     """The receiving-side cotrain transport for a handle: ``shm`` only. ``cuda_ipc`` and ``nccl``
-    handles are received by vLLM's own engines inside the rollout workers (``cotrain.rl.vllm_ext``)."""
+    handles are received by vLLM's own engines inside the rollout workers (``cotrain.rl.vllm.transfer_backend``)."""
     if not isinstance(handle, dict) or "transport" not in handle:
         raise WeightPushError(f"not a weight handle: {type(handle).__name__} (expected a dict from a "
                               "WeightTransport.send)")
@@ -719,7 +728,7 @@ def receiver_for(handle: dict) -> WeightTransport:
         return ObjectStoreTransport()
     if name in VLLM_BACKENDS:
         raise WeightPushError(f"{name} handles are received by vLLM's {VLLM_BACKENDS[name]!r} weight-transfer engine "
-                              "inside a rollout worker (cotrain.rl.vllm_ext), not by a cotrain transport")
+                              "inside a rollout worker (cotrain.rl.vllm.transfer_backend), not by a cotrain transport")
     raise WeightPushError(f"handle transport {name!r} is unknown (allowed: {', '.join(TRANSPORTS)})")
 
 
@@ -728,9 +737,9 @@ def total_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 __all__ = [
-    "TRANSPORTS", "VLLM_BACKENDS", "WeightPushError", "WeightTransport", "ShmTransport", "ObjectStoreTransport", "localize_handle",
+    "TRANSPORTS", "VLLM_BACKENDS", "WeightPushError", "WeightTransport", "push_through", "ShmTransport", "ObjectStoreTransport", "localize_handle",
     "CudaIpcTransport", "NcclBroadcastTransport",
     "make_transport", "resolve_transport_name", "receiver_for", "check_manifest", "check_received",
-    "check_vllm_handle", "update_info_manifest", "nccl_wire", "wire_safe_update_info", "restore_update_info", "manifest_of", "dtype_name", "dtype_from_name",
+    "check_vllm_handle", "update_info_manifest", "nccl_wire", "restore_update_info", "manifest_of", "dtype_name", "dtype_from_name",
     "total_bytes", "SHARED_KEYS", "shared_name_reasons",
 ]

@@ -45,7 +45,7 @@ def worker(tiny_model_path, drafters):
     import ray
 
     from cotrain.rl.rollout import EngineSpec, RolloutWorker
-    from cotrain.rl.vllm_engine import speculative_config
+    from cotrain.rl.vllm.engine import speculative_config
 
     started = start_ray()
     spec = EngineSpec(str(tiny_model_path), speculative=speculative_config(

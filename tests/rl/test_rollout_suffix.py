@@ -58,7 +58,7 @@ def test_suffix_keys_map_onto_vllm_fields(monkeypatch):
     import cotrain.config.validate as validate
     from cotrain.config.schema import SuffixConfig
     from cotrain.rl.rollout import engine_spec_from_config
-    from cotrain.rl.vllm_engine import SUFFIX_KEYS, speculative_config
+    from cotrain.rl.vllm.engine import SUFFIX_KEYS, speculative_config
 
     # every key of the YAML section is mapped, onto a field this vLLM has
     assert set(SUFFIX_KEYS) == set(SuffixConfig.model_fields)

@@ -100,7 +100,7 @@ def test_check_manifest_forbidden_names():
 
 
 def test_shared_with_target_is_by_identity():
-    from cotrain.rl.vllm_ext import shared_with_target
+    from cotrain.rl.vllm.manifest import shared_with_target
     from cotrain.rl.weight_transport import shared_name_reasons
 
     target = torch.nn.Module()
@@ -120,7 +120,7 @@ def test_shared_with_target_is_by_identity():
 def test_checkpoint_manifest_reads_headers(tmp_path):
     from safetensors.torch import save_file
 
-    from cotrain.rl.vllm_ext import checkpoint_manifest
+    from cotrain.rl.vllm.manifest import checkpoint_manifest
 
     save_file({"x": torch.zeros(2, 3), "y": torch.zeros(4, dtype=torch.bfloat16)}, str(tmp_path / "model.safetensors"))
     assert checkpoint_manifest(tmp_path) == {"x": ([2, 3], "float32"), "y": ([4], "bfloat16")}
@@ -130,7 +130,7 @@ def test_checkpoint_manifest_reads_headers(tmp_path):
 
 # ------------------------------------------------------------------- sampler repair (pure)
 def test_expand_batch_to_tokens_matches_definition():
-    from cotrain.rl.vllm_ext import _expand_batch_to_tokens
+    from cotrain.rl.vllm.sampler_fix import _expand_batch_to_tokens
 
     x = torch.tensor([0.5, -1.0, 2.0])
     cu = torch.tensor([2, 5, 6], dtype=torch.int32)
@@ -143,14 +143,14 @@ def test_expand_batch_to_tokens_matches_definition():
 
 def test_cpu_repair_replaces_vllm_function():
     pytest.importorskip("vllm")
-    from cotrain.rl import vllm_ext
+    from cotrain.rl.vllm import sampler_fix
     from vllm.v1.sample import rejection_sampler as rs
 
     if torch.cuda.is_available() or os.environ.get("COTRAIN_VLLM_SAMPLER_FIX") == "0":
         pytest.skip("the repair applies on CPU only, unless disabled")
-    assert vllm_ext.install_cpu_rejection_sampler_fix()
-    assert rs.expand_batch_to_tokens is vllm_ext._expand_batch_to_tokens
-    assert vllm_ext.cpu_rejection_sampler_fixed()
+    assert sampler_fix.install_cpu_rejection_sampler_fix()
+    assert rs.expand_batch_to_tokens is sampler_fix._expand_batch_to_tokens
+    assert sampler_fix.cpu_rejection_sampler_fixed()
 
 
 # ---------------------------------------------------------------------------- splitting etc.
@@ -163,7 +163,7 @@ def test_split_evenly():
 
 
 def test_speculative_config_builder():
-    from cotrain.rl.vllm_engine import speculative_config
+    from cotrain.rl.vllm.engine import speculative_config
 
     assert speculative_config(None) is None
     assert speculative_config("ngram", num_speculative_tokens=3, prompt_lookup_max=5) == {
@@ -191,6 +191,58 @@ def test_engine_spec_from_config(tmp_path):
     assert spec.kv_cache_memory_bytes == 256 * 2**20 and spec.enforce_eager is True
     s = sampling_from_config(cfg, seed=3)
     assert (s.temperature, s.max_tokens, s.seed) == (1.0, 16, 3)
+
+
+def test_engine_memory_defaults_are_the_configs(monkeypatch):
+    """An engine built outside a run (engine_kwargs) and a run's validated rollout section take the
+    same values for the keys left null: on cpu 256 MiB of KV cache and eager, on cuda 0.85 of the
+    device (0.4 colocated, the run only)."""
+    from cotrain.config import load_config
+    from cotrain.rl.vllm.engine import engine_kwargs
+
+    cfg = load_config("configs/grpo.yaml")
+    kw = engine_kwargs("m")
+    assert (kw["kv_cache_memory_bytes"], kw["enforce_eager"]) == (cfg.rollout.kv_cache_memory_bytes, True) == \
+        (256 * 2**20, True)
+    assert "gpu_memory_utilization" not in kw and cfg.rollout.gpu_memory_utilization is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    kw = engine_kwargs("m")
+    gpu = load_config("configs/grpo.yaml", ["cluster.device=cuda", "cluster.gpus_per_node=2"])
+    assert kw["gpu_memory_utilization"] == gpu.rollout.gpu_memory_utilization == 0.85
+    assert "kv_cache_memory_bytes" not in kw and kw["enforce_eager"] is False
+    assert engine_kwargs("m", kv_cache_memory_bytes=5)["kv_cache_memory_bytes"] == 5  # an explicit size alone
+
+
+def test_push_through_releases_whatever_the_load_does():
+    from cotrain.rl.weight_transport import WeightPushError, WeightTransport, push_through
+
+    class Recording(WeightTransport):
+        name = "rec"
+
+        def __init__(self):
+            self.log = []
+
+        def send(self, named_tensors, version):
+            self.log.append(("send", version))
+            return {"version": version}
+
+        def receive(self, handle):
+            raise NotImplementedError
+
+        def release(self, handle):
+            self.log.append(("release", handle["version"]))
+
+    t = Recording()
+    stats = push_through(t, {}, 3, lambda h: {"push_s": 1.0, "seen": h["version"]})
+    assert stats["seen"] == 3 and stats["send_s"] >= 0 and t.log == [("send", 3), ("release", 3)]
+
+    def reject(h):
+        t.log.append(("load", h["version"]))
+        raise WeightPushError("rejected")
+
+    with pytest.raises(WeightPushError, match="rejected"):
+        push_through(t, {}, 4, reject)
+    assert t.log[2:] == [("send", 4), ("load", 4), ("release", 4)]
 
 
 def test_draft_pushes_need_a_drafter_network():

@@ -9,7 +9,7 @@ The bytes of ``cuda_ipc`` and ``nccl`` pushes are moved by vLLM's weight-transfe
 * engine (``CotrainWeightTransferEngine``): validation before anything moves, vLLM's worker
   engine pointed at the model being updated, a rejected ``nccl`` push drained (the broadcast
   group stays in step), an incomplete delivery refused;
-* clients (``VllmGeneration`` / ``vllm_ext.push_handle``): a push refused before it reaches the
+* clients (``VllmGeneration`` / ``cotrain.rl.vllm.client.push_handle``): a push refused before it reaches the
   worker still drains an ``nccl`` broadcast.
 
 The real engines run in test_weight_push_gpu.py (``gpu``). Also here: the CPU ``object_store`` transport
@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cotrain.rl import vllm_ext
+from cotrain.rl.vllm import client
 from cotrain.rl.weight_transport import (
     CudaIpcTransport,
     NcclBroadcastTransport,
@@ -35,10 +35,12 @@ from cotrain.rl.weight_transport import (
     manifest_of,
     restore_update_info,
     update_info_manifest,
-    wire_safe_update_info,
 )
 
 pytest.importorskip("vllm")
+from vllm.distributed.weight_transfer.clients import _json_safe_update_info  # noqa: E402
+
+from cotrain.rl.vllm import transfer_backend  # noqa: E402
 
 
 def _weights(scale: float = 1.0) -> dict[str, torch.Tensor]:
@@ -272,10 +274,10 @@ def engine(tmp_path, monkeypatch):
         return e
 
     reloads: list = []
-    monkeypatch.setattr(vllm_ext, "_make_vllm_engine", make)
-    monkeypatch.setattr(vllm_ext, "_reload_api", lambda: (lambda m: reloads.append("init"),
-                                                          lambda m, c: reloads.append("finalize")))
-    cls = vllm_ext._make_engine_cls()[2]
+    monkeypatch.setattr(transfer_backend, "_make_vllm_engine", make)
+    monkeypatch.setattr(transfer_backend, "_reload_api", lambda: (lambda m: reloads.append("init"),
+                                                                  lambda m, c: reloads.append("finalize")))
+    cls = transfer_backend.CotrainWeightTransferEngine
     vcfg = SimpleNamespace(parallel_config=SimpleNamespace(), model_config=SimpleNamespace(model=str(tmp_path)))
     eng = cls(WeightTransferConfig(backend="cotrain"), vcfg, torch.device("cpu"), model)
     return SimpleNamespace(eng=eng, model=model, fake=fake, made=made, reloads=reloads)
@@ -284,7 +286,7 @@ def engine(tmp_path, monkeypatch):
 def _handle(transport: str, tensors: dict[str, torch.Tensor], version: int = 1) -> dict:
     info = _payload(tensors)
     if transport == "cuda_ipc":
-        info = wire_safe_update_info({**info, "ipc_handles": [{"gpu-uuid": (n,)} for n in tensors]})
+        info = _json_safe_update_info({**info, "ipc_handles": [{"gpu-uuid": (n,)} for n in tensors]})
     return {"transport": transport, "version": version, "manifest": manifest_of(tensors),
             "update_info": info, "id": "x"}
 
@@ -379,11 +381,11 @@ def test_pushes_refused_before_the_worker_still_drain_a_broadcast():
     assert gen.llm.rpcs == [("cotrain_drain", (h,))]
     llm = FakeLLM(start_fails=True)
     with pytest.raises(WeightPushError, match="could not start: a weight update is already in progress"):
-        vllm_ext.push_handle(llm, "policy", h, 1)
+        client.push_handle(llm, "policy", h, 1)
     assert llm.rpcs == [("cotrain_drain", (h,))]
     llm = FakeLLM(start_fails=True)
     with pytest.raises(WeightPushError, match="could not start"):
-        vllm_ext.push_handle(llm, "policy", dict(h, transport="cuda_ipc"), 1)
+        client.push_handle(llm, "policy", dict(h, transport="cuda_ipc"), 1)
     assert llm.rpcs == []  # IPC leaves nothing in flight
 
 
