@@ -275,10 +275,13 @@ ERROR_CASES = [
     ("world_too_big", ["policy.parallel.data=8"], "policy.parallel", ["TP*PP*CP*DP = 1*1*1*8 = 8",
                                                                      "allowed: world size <= 4"]),
     ("world_plus_rollout", ["policy.parallel.data=4"], "policy.parallel",
-     ["rollout.num_engines=1", "allowed: training + rollout <= 4", "rollout.colocate=true"]),
+     ["rollout.num_engines=1", "allowed: training + rollout <= 4)"]),
+    ("colocate_cpu", ["rollout.colocate=true"], "rollout.colocate",
+     ["needs cluster.device=cuda", "vLLM's CPU backend has no sleep mode", "allowed on cpu: false"]),
     ("engines_fit", ["rollout.num_engines=5"], "rollout.num_engines", ["allowed: at most 4 engines"]),
     ("engines_fit_gpu", [*CUDA2, "rollout.num_engines=3"], "rollout.num_engines", ["GPUs", "at most 2 engines"]),
-    ("world_gpu", [*CUDA2, "policy.parallel.data=2"], "policy.parallel", ["GPUs", "allowed: training + rollout <= 2"]),
+    ("world_gpu", [*CUDA2, "policy.parallel.data=2"], "policy.parallel",
+     ["GPUs", "allowed: training + rollout <= 2, or rollout.colocate=true"]),
     ("cuda_no_gpus", ["cluster.device=cuda"], "cluster.device", ["gpus_per_node", "allowed: cpu, auto"]),
     ("engine_tp_node", [*CUDA2, "rollout.tensor_parallel=4", "cluster.num_nodes=2"], "rollout.tensor_parallel",
      ["one node", "allowed: 1..2"]),
@@ -394,7 +397,8 @@ def test_hf_checkpoint_architecture(hf_model):
 
 def test_valid_variants(files):
     """Combinations near the limits that must pass."""
-    load_config(DEMO, ["policy.parallel.data=4", "rollout.colocate=true"])
+    load_config(DEMO, ["cluster.device=cuda", "cluster.gpus_per_node=4", "policy.parallel.data=4",
+                       "rollout.colocate=true"])
     load_config(DEMO, ["rollout.speculative.method=eagle3", f"rollout.speculative.draft_model={files['drafter']}"])
     load_config(DEMO, ["draft.kind=eagle3", "draft.cotrain=false", f"rollout.speculative.draft_model={files['drafter']}"])
     load_config(DEMO, ["data.task=jsonl", f"data.jsonl.path={files['jsonl']}", "grpo.prompts_per_step=2"])

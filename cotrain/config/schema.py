@@ -329,8 +329,10 @@ class RolloutConfig(StrictModel):
     gpus_per_engine: NonNegFloat | None = None
     """GPUs reserved by each engine. null = tensor_parallel on cuda, 0 on cpu."""
     colocate: bool = False
-    """Engines share the training workers' devices (GPU memory split by gpu_memory_utilization)
-    instead of having their own; resources must fit max(training, rollout) instead of the sum."""
+    """Engines share the training workers' GPUs instead of having their own (cuda only): they sleep
+    while the trainers run (vLLM's sleep mode: weights to host memory, KV cache freed) and wake
+    before the weight push; resources must fit max(training, rollout) instead of the sum, and
+    gpu_memory_utilization defaults to 0.4. vLLM's CPU backend has no sleep mode."""
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None
     """Fraction of device memory for weights + KV cache (of RAM on cpu). Exclusive with
     kv_cache_memory_bytes. When both are null: cpu -> kv_cache_memory_bytes = 256 MiB;

@@ -252,8 +252,8 @@ def check_resources(cfg: CotrainConfig) -> list[Issue]:
         if not r.colocate and roll <= total and train <= total and train + roll > total:
             issues.append(("policy.parallel", f"world size {ws} ranks ({train:g} {unit.upper()}s) + "
                            f"rollout.num_engines={E} engines ({roll:g} {unit.upper()}s) = {train + roll:g} "
-                           f"exceed {avail} ({mode}; allowed: training + rollout <= {total}, or "
-                           "rollout.colocate=true)"))
+                           f"exceed {avail} ({mode}; allowed: training + rollout <= {total}"
+                           + (", or rollout.colocate=true)" if cuda else ")")))
 
     fit("cpu", c.cpus_per_node or 1, pol.cpus_per_worker, r.cpus_per_engine)
     if cuda:
@@ -335,6 +335,10 @@ def check_rollout(cfg: CotrainConfig) -> list[Issue]:
     if r.gpu_memory_utilization is not None and r.kv_cache_memory_bytes is not None:
         issues.append(("rollout.kv_cache_memory_bytes", "is exclusive with rollout.gpu_memory_utilization "
                        "(allowed: set one of them, the other null)"))
+    if r.colocate and not cuda:
+        issues.append(("rollout.colocate", "true needs cluster.device=cuda: colocated engines sleep while the trainers "
+                       "run (vLLM's sleep mode: weights to host memory, KV cache freed), and vLLM's CPU backend has no "
+                       "sleep mode (allowed on cpu: false)"))
     wt = r.weight_transport
     if wt in ("cuda_ipc", "nccl") and not cuda:
         issues.append(("rollout.weight_transport", f"{wt} needs cluster.device=cuda (allowed on cpu: shm, auto)"))

@@ -208,7 +208,7 @@ class GrpoRun:
         flat = [s for row in gen.samples for s in row]
         cp = cfg.policy.parallel.context  # zigzag CP splits every sequence into 2*CP equal chunks
         batch = build_batch(flat, adv.flatten().tolist(), self.pad_id, multiple_of=2 * cp if cp > 1 else 1)
-        with timed(m, "time/update"):
+        with timed(m, "time/update"), self.engines_asleep():
             # the log-prob recomputation; the co-trained drafter takes its step on this same forward
             lp = self.trainer.logprobs(batch, draft_step=step if self.cotrain else None)
             batch.old_logprobs, batch.ref_logprobs = lp.logprobs, lp.ref_logprobs
@@ -235,6 +235,18 @@ class GrpoRun:
             m.update(draft_step_metrics(lp.draft_metrics, m["time/update"]))
         m.update(rollout_metrics(gen.metrics))
         return m
+
+    @contextmanager
+    def engines_asleep(self):
+        """Colocated engines (``rollout.colocate``) free the devices while the trainers run."""
+        if not self.cfg.rollout.colocate:
+            yield
+            return
+        self.rollout.sleep()
+        try:
+            yield
+        finally:
+            self.rollout.wake_up()
 
     def push(self, kind: str, version: int) -> None:
         handle = self.trainer.export(kind, version)

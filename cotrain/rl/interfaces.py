@@ -76,6 +76,15 @@ class GenerationBackend(ABC):
         :class:`~cotrain.rl.weight_transport.WeightPushError` and every engine keeps serving what
         it served before. Returns timings."""
 
+    @abstractmethod
+    def sleep(self) -> None:
+        """Free the devices for the trainers (``rollout.colocate``: called before the update): the
+        served weights are kept off the device, the KV cache is dropped."""
+
+    @abstractmethod
+    def wake_up(self) -> None:
+        """Take the devices back after :meth:`sleep` (before the update's weight push)."""
+
     def shutdown(self) -> None:  # noqa: B027 - optional
         pass
 

@@ -51,7 +51,8 @@ SPEC_SCALARS = ("mean_acceptance_length", "draft_acceptance_rate", "num_spec_ste
 class EngineSpec:
     """Everything needed to build one engine (picklable: it travels to Ray actors).
 
-    ``speculative`` is vLLM's ``speculative_config`` (see
+    ``sleep_mode``: vLLM's sleep mode (GPU only), for engines that share the trainers' devices
+    (``rollout.colocate``). ``speculative`` is vLLM's ``speculative_config`` (see
     :func:`cotrain.rl.vllm.engine.speculative_config`); ``multiprocess`` chooses vLLM's
     multi-process mode (None: ``COTRAIN_VLLM_MULTIPROCESS``, default on); ``extra`` goes to
     ``LLM(...)`` unchanged.
@@ -65,6 +66,7 @@ class EngineSpec:
     gpu_memory_utilization: float | None = None
     enforce_eager: bool | None = None
     tensor_parallel_size: int = 1
+    sleep_mode: bool = False
     speculative: dict | None = None
     multiprocess: bool | None = None
     max_logprobs: int = 20
@@ -76,6 +78,8 @@ class EngineSpec:
         extra = dict(self.extra)
         if self.tensor_parallel_size != 1:
             extra["tensor_parallel_size"] = self.tensor_parallel_size
+        if self.sleep_mode:
+            extra["enable_sleep_mode"] = True
         return make_cotrain_llm(
             self.model_path, multiprocess=self.multiprocess, dtype=self.dtype, seed=self.seed,
             max_model_len=self.max_model_len, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
@@ -240,6 +244,13 @@ class VllmGeneration(GenerationBackend):
             self._manifests[kind] = self.llm.collective_rpc("cotrain_expected_manifest", args=(kind,))[0]
         return self._manifests[kind]
 
+    def sleep(self) -> None:
+        """vLLM's sleep mode, level 1: the weights move to host memory, the KV cache is freed."""
+        self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        self.llm.wake_up()
+
     def init_broadcast_group(self, options: dict) -> None:
         """Join a trainer's broadcast group (``nccl`` transport): ``options`` are the fields of
         vLLM's ``NCCLWeightTransferInitInfo`` (see :meth:`RolloutGroup.init_broadcast_group`)."""
@@ -317,6 +328,12 @@ class RolloutWorker:
 
     def init_broadcast_group(self, options: dict) -> None:
         self.gen.init_broadcast_group(options)
+
+    def sleep(self) -> None:
+        self.gen.sleep()
+
+    def wake_up(self) -> None:
+        self.gen.wake_up()
 
     def drain(self, handle: dict) -> None:
         self.gen.drain(handle)
@@ -491,6 +508,12 @@ class RolloutGroup(GenerationBackend):
             self.draft_version = version
         return {"push_s": time.perf_counter() - t0, "engine_push_s_max": max(s["push_s"] for s in stats)}
 
+    def sleep(self) -> None:
+        self._get([a.sleep.remote() for a in self.actors], "the engines' sleep")
+
+    def wake_up(self) -> None:
+        self._get([a.wake_up.remote() for a in self.actors], "the engines' wake-up")
+
     def weight_version(self) -> int:
         versions = self._get([a.weight_version.remote() for a in self.actors], "the weight-version query")
         if len(set(versions)) != 1:
@@ -582,7 +605,8 @@ def engine_spec_from_config(cfg, *, model_path: str | None = None, draft_model: 
     return EngineSpec(model_path=str(path), dtype=cfg.policy.dtype, seed=cfg.run.seed,
                       max_model_len=cfg.policy.max_seq_len, kv_cache_memory_bytes=r.kv_cache_memory_bytes,
                       gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
-                      tensor_parallel_size=r.tensor_parallel, speculative=spec_cfg, multiprocess=multiprocess)
+                      tensor_parallel_size=r.tensor_parallel, sleep_mode=r.colocate, speculative=spec_cfg,
+                      multiprocess=multiprocess)
 
 
 def sampling_from_config(cfg, seed: int | None = None) -> SamplingSpec:

@@ -65,6 +65,12 @@ class FakeRollout(GenerationBackend):
             self.version = version
         return {"push_s": 0.0}
 
+    def sleep(self):
+        self.log.append(("sleep",))
+
+    def wake_up(self):
+        self.log.append(("wake_up",))
+
 
 class FakeTrainer(TrainingBackend):
     def __init__(self, log: list):
@@ -176,6 +182,18 @@ def test_the_driver_runs_the_algorithm_in_order(tmp_path):
     assert [m[s]["train/loss"] for s in m] == [0.5 * s for s in m]  # the trainer's metrics, step by step
 
 
+def test_colocated_engines_sleep_while_the_trainers_run(tmp_path):
+    workers = FakeWorkers()
+    _run(_cfg(tmp_path, "grpo.num_steps=2", "cluster.device=cuda", "cluster.gpus_per_node=2", "rollout.colocate=true"),
+         workers)
+    step = [e[0] for e in workers.log[3:]]
+    assert step[:8] == ["generate", "sleep", "logprobs", "train_step", "wake_up", "export", "push", "release"]
+    assert step.count("sleep") == step.count("wake_up") == 2
+    workers = FakeWorkers()
+    _run(_cfg(tmp_path / "own", "grpo.num_steps=2"), workers)  # engines on their own devices never sleep
+    assert not {"sleep", "wake_up"} & {e[0] for e in workers.log}
+
+
 def test_the_trainer_gets_the_recomputed_logprobs_and_group_advantages(tmp_path):
     workers = FakeWorkers()
     _run(_cfg(tmp_path, "grpo.num_steps=2"), workers)
@@ -234,5 +252,7 @@ def test_resume_continues_the_same_prompt_stream(tmp_path):
     assert len({g[1] for g in gens}) == STEPS  # (the stream moves on: no step repeats another's prompts)
     assert resumed.trainer_.updates == STEPS
     a, b = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
-    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k != "rollout/tokens_per_s"}  # noqa: E731
-    assert [drop(b[s]) for s in (3, 4)] == [drop(a[s]) for s in (3, 4)]
+    def timeless(r):
+        return {k: v for k, v in r.items() if not k.startswith("time/") and k != "rollout/tokens_per_s"}
+
+    assert [timeless(b[s]) for s in (3, 4)] == [timeless(a[s]) for s in (3, 4)]
