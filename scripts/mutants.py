@@ -121,6 +121,21 @@ MUTANTS: list[Mutant] = [
     M("rl.plot_drops_first_point", "cotrain/rl/plot.py",
       "xs, ys = [p[0] for p in pts], [p[1] for p in pts]", "xs, ys = [p[0] for p in pts][1:], [p[1] for p in pts][1:]",
       ["tests/rl/test_plot.py"], "each curve loses its first logged step"),
+    # ----- cotrain/rl/driver.py: the contract with the workers (tests on in-process fakes, seconds) -----------
+    M("rl.driver_release_only_on_success", "cotrain/rl/driver.py",
+      "        try:\n            self.rollout.push_handle(kind, handle, version)\n        finally:\n"
+      "            self.trainer.release_export(handle)",
+      "        self.rollout.push_handle(kind, handle, version)\n        self.trainer.release_export(handle)",
+      ["tests/rl/test_driver_contract.py"], "a failed push leaks its export (the handle is never released)"),
+    M("rl.driver_draft_push_every_step", "cotrain/rl/driver.py",
+      "if self.serves_cotrained_drafter and step % cfg.draft.push_every == 0:", "if self.serves_cotrained_drafter:",
+      ["tests/rl/test_driver_contract.py"], "the drafter is pushed every step, whatever draft.push_every says"),
+    M("rl.driver_push_labels_previous_step", "cotrain/rl/driver.py",
+      '            self.push("policy", version=step)\n', '            self.push("policy", version=step - 1)\n',
+      ["tests/rl/test_driver_contract.py"], "the updated policy is pushed with the previous step's version"),
+    M("rl.driver_colocated_engines_stay_awake", "cotrain/rl/driver.py",
+      "        if not self.cfg.rollout.colocate:\n", "        if True:\n",
+      ["tests/rl/test_driver_contract.py"], "colocated engines keep the GPU while the trainers run"),
     # ----- cotrain/tapchannel: stamps, slots, release ----------------------------------------------------
     M("tap.stale_stamp_accepted", "cotrain/tapchannel/mailbox.py",
       "        if before != seq + 1:\n            raise self._err(TapLappedError if before > seq + 1",
