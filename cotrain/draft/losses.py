@@ -18,18 +18,22 @@ Every loss averages over valid positions, weighted by the chain's per-position `
                   every later S, so it weighs on every later position.
 
 **Chunks.** Every loss is a weighted mean of per-position statistics (the V-wide sums above), so
-they are computed by :class:`_PositionStats` in chunks of positions (numerator and denominator
-summed over chunks, as SpecForge does): the target rows are gathered and softmaxed chunk by chunk
-(``TargetDist``: the (T, V) target logits and the chains' rows, never an (N, W, V) fp32 copy), the
-backward recomputes q and p per chunk and writes the logits' gradient in place,
+they are computed by :class:`_PositionStats` in chunks of chains (numerator and denominator summed
+over chunks, as SpecForge does): the target rows are gathered and softmaxed chunk by chunk
+(``TargetDist``: the (T, V) target logits and the chains' rows, never an (N, W, V) fp32 copy), and
+while a chunk's q and p are at hand the derivatives of the differentiable statistics are written
+into their place in an (N, W, V) tensor, which the backward scales in place into the logits'
+gradient (z = the logits, e_y the one-hot of y):
 
     d(-sum p log q)/dz = q sum(p) - p,      d(-log q_y)/dz = q - e_y,
     d f(q)/dz = q * (g - <g, q>)   with g = df/dq:  sign(q - p) for ||p - q||_1,
                                    1[q < p] + 1/2 1[q = p] for sum min(p, q) (torch.minimum's tie rule),
 
-so a call holds O(chunk x V) temporaries beyond the logits, their gradient and the target logits,
-whatever N x W is. The statistics, the losses and the metrics stay on the device: nothing here reads
-a value back to the host (metrics are 0-dim tensors; convert them when logging).
+so a call holds, beyond the logits and the target logits, one (N, W, V) tensor per differentiable
+statistic (one for every loss but dspark_l1's two; it becomes the logits' gradient) and
+O(chunk x W x V) temporaries, where plain autograd keeps p, log q, q and their products. The
+statistics, the losses and the metrics stay on the device: nothing here reads a value back to the
+host (metrics are 0-dim tensors; convert them when logging).
 
 E2E-TV caveat (SpecOPD): the product of per-position overlaps is a *biased* surrogate of the
 serving acceptance. In serving, draft j's distribution is conditioned on the drafts the drafter
@@ -62,8 +66,8 @@ import torch.nn.functional as F
 from cotrain.draft.common import DraftOutput
 
 LOSSES = ("soft_ce", "forward_kl", "hard_ce", "dspark_l1", "e2e_tv")
-#: elements (positions x vocabulary) of one chunk's fp32 temporaries: 2^24 = 64 MiB each
-CHUNK_ELEMENTS = 1 << 24
+#: elements (positions x vocabulary) of one chunk's fp32 temporaries: 2^20 = 4 MiB each (32 positions at 32k)
+CHUNK_ELEMENTS = 1 << 20
 
 # per-position statistics (the columns of _PositionStats' output)
 CE, PLOGP, L1, OV, NLL, MATCH, INVOCAB = range(7)
@@ -74,11 +78,12 @@ _DIFFERENTIABLE = (CE, L1, OV, NLL)
 @dataclass(frozen=True)
 class TargetDist:
     """The detached target distributions of N x W positions, gathered on demand:
-    p[n, j] = softmax(source[rows[n, j]] / temperature) when ``logits``, else source[rows[n, j]]
-    (already probabilities). ``source`` (R, V), ``rows`` (N, W) int64 (clamped to >= 0)."""
+    p[n, j] = softmax(source[rows_index[n, j]] / temperature) when ``logits``, else
+    source[rows_index[n, j]] (already probabilities). ``source`` (R, V), ``rows_index`` (N, W) int64
+    (clamped to >= 0)."""
 
     source: torch.Tensor
-    rows: torch.Tensor
+    rows_index: torch.Tensor
     logits: bool = True
     temperature: float = 1.0
 
@@ -92,17 +97,20 @@ class TargetDist:
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        return (*self.rows.shape, self.source.shape[-1])
+        return (*self.rows_index.shape, self.source.shape[-1])
 
-    def rows_flat(self, a: int, b: int) -> torch.Tensor:
-        """(b - a, V) fp32 distributions of flattened positions [a, b)."""
-        x = self.source.detach().index_select(0, self.rows.reshape(-1)[a:b].clamp(min=0)).float()
-        return F.softmax(x / self.temperature, dim=-1) if self.logits else x
+    def rows(self, n0: int, n1: int) -> torch.Tensor:
+        """((n1 - n0) * W, V) fp32 distributions of chains [n0, n1), positions flattened."""
+        x = self.source.detach().index_select(0, self.rows_index[n0:n1].reshape(-1).clamp(min=0)).float()
+        if not self.logits:
+            return x
+        if self.temperature != 1.0:
+            x.div_(self.temperature)  # x is a fresh copy
+        return F.softmax(x, dim=-1)
 
     def dense(self) -> torch.Tensor:
         """(N, W, V) fp32: every position at once (tests, small shapes)."""
-        n, w, v = self.shape
-        return self.rows_flat(0, n * w).view(n, w, v)
+        return self.rows(0, self.shape[0]).view(self.shape)
 
 
 def target_dist(target_logits: torch.Tensor, out: DraftOutput, temperature: float = 1.0) -> TargetDist:
@@ -115,83 +123,97 @@ def target_probs(target_logits: torch.Tensor, out: DraftOutput, temperature: flo
     return target_dist(target_logits, out, temperature).dense()
 
 
-def _chunk(q_logits: torch.Tensor, target: TargetDist, a: int, b: int, vocab):
-    """fp32 q, log q (b-a, Vd) and p for the cross-entropies, p for acceptance (b-a, Vd), the
-    target's greedy token and the in-vocabulary flag of flattened positions [a, b)."""
-    z = q_logits[a:b].detach().float()
-    logq = F.log_softmax(z, dim=-1)
-    p_full = target.rows_flat(a, b)
-    greedy = p_full.argmax(-1)
-    if vocab is None:
-        return logq.exp(), logq, p_full, p_full, greedy, torch.ones_like(greedy, dtype=torch.bool)
-    r = vocab.restrict(p_full)
-    return logq.exp(), logq, r.p, r.p_on_draft, greedy, r.in_vocab
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum_v a * b per row, without an (n, V) temporary."""
+    return torch.bmm(a[:, None, :], b[:, :, None]).view(-1)
 
 
 class _PositionStats(torch.autograd.Function):
-    """(P, 7) fp32 per-position statistics of flattened logits (P, Vd), chunk by chunk (module doc):
-    CE = -sum p log q, PLOGP = sum p log p, L1 = ||p - q||_1, OV = sum min(p_acc, q), NLL = -log q[y]
-    (0 where y < 0), MATCH = [argmax q (as a target id) == argmax p], INVOCAB (see vocab). Only the
-    columns in ``need`` are computed (the others are 0); the backward differentiates the columns in
-    ``grads`` (a subset of CE, L1, OV, NLL; the others' incoming gradients are ignored)."""
+    """(N, W, 7) fp32 per-position statistics of logits (N, W, Vd) against ``target``, computed in
+    chunks of ``chunk`` chains (module doc): CE = -sum p log q, PLOGP = sum p log p, L1 = ||p - q||_1,
+    OV = sum min(p_acc, q), NLL = -log q[y] (0 where y < 0), MATCH = [argmax q (as a target id) ==
+    argmax p], INVOCAB (see vocab). Only the columns in ``need`` are computed (the others are 0).
+
+    The columns in ``grads`` (a subset of CE, L1, OV, NLL) are differentiable: while a chunk's q and
+    p are at hand, the forward also writes each one's derivative d stat / dz (module doc) into an
+    (N, W, Vd) fp32 tensor, and the backward scales those by the incoming per-position gradients in
+    place and returns their sum (the first one *is* the logits' gradient: no recomputation, no extra
+    tensor). So a call holds, beyond the logits, one (N, W, Vd) tensor per differentiable column
+    (the gradient the old autograd graph also returned) and O(chunk x W x V) temporaries. The
+    backward may run once (it consumes those tensors; a second call raises)."""
 
     @staticmethod
     def forward(ctx, logits, target: TargetDist, labels, vocab, need: frozenset, grads: frozenset, chunk: int):
-        P = logits.shape[0]
-        stats = logits.new_zeros(P, _NUM_STATS, dtype=torch.float32)
-        for a in range(0, P, chunk):
-            b = min(a + chunk, P)
-            q, logq, p, p_acc, greedy, inv = _chunk(logits, target, a, b, vocab)
-            s = stats[a:b]
+        N, W, Vd = logits.shape
+        stats = logits.new_zeros(N, W, _NUM_STATS, dtype=torch.float32)
+        jac = {k: logits.new_empty(N, W, Vd, dtype=torch.float32) for k in sorted(grads)}
+        log = bool(need & {CE, NLL})
+        for n0 in range(0, N, chunk):
+            n1 = min(n0 + chunk, N)
+            z = logits[n0:n1].detach().reshape(-1, Vd).float()  # a copy only if logits are not contiguous
+            logq = F.log_softmax(z, dim=-1) if log else None
+            q = logq.exp() if log else F.softmax(z, dim=-1)
+            del z
+            p = target.rows(n0, n1)
+            greedy = p.argmax(-1)
+            inv = torch.ones_like(greedy, dtype=torch.bool)
+            p_acc = p
+            if vocab is not None:
+                r = vocab.restrict(p)
+                p, p_acc, inv = r.p, r.p_on_draft, r.in_vocab
+            s = stats[n0:n1].view(-1, _NUM_STATS)
+            y = labels[n0:n1].reshape(-1)
             if CE in need:
-                s[:, CE] = -(p * logq).sum(-1)
+                s[:, CE] = -_rowdot(p, logq)
             if PLOGP in need:
                 s[:, PLOGP] = torch.special.xlogy(p, p).sum(-1)
             if L1 in need:
-                s[:, L1] = (p - q).abs().sum(-1)
+                s[:, L1] = (p - q).abs_().sum(-1)
             if OV in need:
                 s[:, OV] = torch.minimum(p_acc, q).sum(-1)
             if NLL in need:
-                y = labels[a:b]
                 s[:, NLL] = torch.where(y >= 0, -logq.gather(-1, y.clamp(min=0)[:, None]).squeeze(-1), 0.0)
             if MATCH in need:
                 drafted = q.argmax(-1)
                 s[:, MATCH] = ((drafted if vocab is None else vocab.to_target(drafted)) == greedy).float()
             s[:, INVOCAB] = inv.float()
-        ctx.save_for_backward(logits, labels)
-        ctx.target, ctx.vocab, ctx.grads, ctx.chunk = target, vocab, grads, chunk
+            for k, j in jac.items():
+                _jacobian_(j[n0:n1].view(-1, Vd), k, q, p, p_acc, y)
+        ctx.jac, ctx.dtype = jac, logits.dtype
         return stats
 
     @staticmethod
     def backward(ctx, g):
-        logits, labels = ctx.saved_tensors
-        grads, P = ctx.grads, logits.shape[0]
-        dz = torch.empty_like(logits)
-        for a in range(0, P, ctx.chunk):
-            b = min(a + ctx.chunk, P)
-            q, logq, p, p_acc, _, _ = _chunk(logits, ctx.target, a, b, ctx.vocab)
-            gc = g[a:b]
-            d = torch.zeros_like(q)
-            if CE in grads:
-                d += gc[:, CE, None] * (q * p.sum(-1, keepdim=True) - p)
-            if NLL in grads:
-                y = labels[a:b]
-                onehot = torch.zeros_like(q).scatter_(-1, y.clamp(min=0)[:, None], 1.0)
-                d += (gc[:, NLL] * (y >= 0))[:, None] * (q - onehot)
-            for col, grad_q in ((L1, lambda: torch.sign(q - p)),
-                                (OV, lambda: (q < p_acc).float() + 0.5 * (q == p_acc).float())):
-                if col in grads:
-                    gq = grad_q()
-                    d += gc[:, col, None] * q * (gq - (gq * q).sum(-1, keepdim=True))
-            dz[a:b] = d.to(dz.dtype)
-        return dz, None, None, None, None, None, None
+        if ctx.jac is None:
+            raise RuntimeError("the drafter loss's backward ran twice (it consumes its saved derivatives)")
+        dz = None
+        for k, j in ctx.jac.items():  # dz = sum_k g_k * d stat_k / dz, in place
+            gk = g[..., k, None].float()
+            dz = j.mul_(gk) if dz is None else dz.addcmul_(j, gk)
+        ctx.jac = None
+        return dz.to(ctx.dtype), None, None, None, None, None, None
+
+
+def _jacobian_(out: torch.Tensor, k: int, q, p, p_acc, y) -> None:
+    """out (n, Vd) <- d stat_k / dz for the rows of one chunk (module doc)."""
+    if k == CE:  # q sum(p) - p
+        torch.mul(q, p.sum(-1, keepdim=True), out=out).sub_(p)
+    elif k == NLL:  # q - e_y, zero where y < 0
+        out.copy_(q).scatter_add_(-1, y.clamp(min=0)[:, None], torch.full((y.numel(), 1), -1.0, device=q.device))
+        out.mul_((y >= 0)[:, None])
+    else:  # q (g - <g, q>),  g = sign(q - p) for L1, 1[q < p] + 1/2 1[q = p] for OV
+        if k == L1:
+            torch.sub(q, p, out=out).sign_()
+        else:
+            out.copy_(q < p_acc).add_((q == p_acc).float(), alpha=0.5)
+        out.sub_(_rowdot(out, q)[:, None]).mul_(q)
 
 
 def position_stats(logits: torch.Tensor, p: Union[torch.Tensor, TargetDist], need, labels=None, vocab=None,
                    chunk_elements: int = CHUNK_ELEMENTS, grads=None) -> torch.Tensor:
     """(N, W, 7) statistics of the columns ``need`` (the module's constants) for logits (N, W, Vd)
     against target ``p`` ((N, W, V) probabilities or a TargetDist), in chunks of about
-    ``chunk_elements`` / V positions; differentiable in the columns ``grads`` (default: the
+    ``chunk_elements`` / (W V) chains; differentiable in the columns ``grads`` (default: the
     differentiable ones of ``need``)."""
     target = TargetDist.of(p)
     N, W, Vd = logits.shape
@@ -199,11 +221,10 @@ def position_stats(logits: torch.Tensor, p: Union[torch.Tensor, TargetDist], nee
         raise ValueError(f"target distributions {tuple(target.shape)} do not match the chains {tuple(logits.shape)}")
     if labels is None:
         labels = torch.full((N, W), -1, dtype=torch.int64, device=logits.device)
-    chunk = max(1, chunk_elements // max(target.shape[2], Vd))
+    chunk = max(1, chunk_elements // (W * max(target.shape[2], Vd)))
     need = frozenset(need)
     grads = need & frozenset(_DIFFERENTIABLE) if grads is None else frozenset(grads)
-    flat = _PositionStats.apply(logits.reshape(N * W, Vd), target, labels.reshape(-1), vocab, need, grads, chunk)
-    return flat.view(N, W, _NUM_STATS)
+    return _PositionStats.apply(logits, target, labels, vocab, need, grads, chunk)
 
 
 def _weights(valid: torch.Tensor, loss_weight: Optional[torch.Tensor]) -> torch.Tensor:

@@ -233,7 +233,7 @@ class OnlineDraftTrainer:
                 drafted = vocab.to_target(drafted)
                 # the rollout tokens the drafts predict (every CP rank holds whole rows: each counts them all)
                 self._step_counts += token_counts(batch.input_ids, batch.loss_mask, vocab.vocab_size)
-            greedy = (drafted == p.source.argmax(-1)[p.rows]) & valid
+            greedy = (drafted == p.source.argmax(-1)[p.rows_index]) & valid
             lens = accept_lengths(greedy, self.k) * first  # chains whose first draft is supervised
         st = self._stats
         st["loss_sum"] += m["loss"] * weight

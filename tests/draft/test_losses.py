@@ -281,7 +281,7 @@ def _random_case(seed, N=5, W=3, V=37, vocab=None):
 @pytest.mark.parametrize("vocab", [None, 13])
 @pytest.mark.parametrize("name", ["soft_ce", "forward_kl", "hard_ce", "dspark_l1", "e2e_tv"])
 def test_chunked_loss_equals_the_full_tensor_autograd(name, vocab):
-    """Every loss, chunked over positions (chunks of 2 positions of 15, the last one short) and with the
+    """Every loss, chunked over chains (chunks of 2 chains of 5, the last one short) and with the
     target rows gathered chunk by chunk from the target logits (temperature 0.7), equals the old
     implementation on full (N, W, V) tensors (plain autograd): value, every metric, and the gradients
     of the logits and the confidence head; one chunk gives the same."""
@@ -302,7 +302,7 @@ def test_chunked_loss_equals_the_full_tensor_autograd(name, vocab):
         return loss, {k: float(v) for k, v in m.items()}, z.grad, c.grad
 
     ref = run(reference.draft_loss)
-    for kw in ({"chunk_elements": 2 * 37}, {}):
+    for kw in ({"chunk_elements": 2 * 3 * 37}, {}):
         got = run(draft_loss, **kw)
         torch.testing.assert_close(got[0], ref[0], atol=1e-6, rtol=1e-6)
         assert got[1].keys() == ref[1].keys()
@@ -315,16 +315,26 @@ def test_chunked_loss_equals_the_full_tensor_autograd(name, vocab):
 
 
 def test_chunk_boundaries_cover_every_position_once():
-    """Per-position statistics with chunks of 1, 2, 4 and 16 positions (P = 15) equal one chunk, row by
-    row: a position skipped or counted twice at a boundary shows."""
+    """Per-position statistics and their gradients with chunks of 1, 2, 4 and 16 chains (N = 5) equal
+    one chunk, row by row: a chain skipped or counted twice at a boundary shows."""
     from cotrain.draft.losses import CE, L1, MATCH, OV, position_stats
 
     logits, tl, rows, _, _, _, _ = _random_case(3)
     p = torch.softmax(tl[rows.clamp(min=0)], -1)
     cols = [CE, L1, OV, MATCH]
-    whole = position_stats(logits, p, cols, chunk_elements=1 << 30)
+    w = torch.randn(5, 3, 7)
+
+    def run(elements):
+        z = logits.clone().requires_grad_(True)
+        s = position_stats(z, p, cols, chunk_elements=elements)
+        (s * w).sum().backward()
+        return s.detach(), z.grad
+
+    whole, dwhole = run(1 << 30)
     for per in (1, 2, 4, 16):
-        torch.testing.assert_close(position_stats(logits, p, cols, chunk_elements=per * 37), whole, atol=1e-6, rtol=0)
+        got, dgot = run(per * 3 * 37)
+        torch.testing.assert_close(got, whole, atol=1e-6, rtol=0)
+        torch.testing.assert_close(dgot, dwhole, atol=1e-6, rtol=0)
     assert float(whole[..., CE].std()) > 0.1  # the rows differ, so a shifted row would show
 
 
@@ -354,3 +364,17 @@ def test_draft_loss_reads_nothing_back_to_the_host(monkeypatch):
         with monkeypatch.context() as mp:
             mp.setattr(torch.Tensor, "__float__", sync)
             float(torch.ones(()))
+
+
+def test_loss_backward_runs_once():
+    """The loss consumes its saved derivatives: a second backward through the same graph raises
+    instead of returning a wrong gradient."""
+    logits, tl, rows, valid, labels, _, _ = _random_case(1)
+    from cotrain.draft.losses import target_dist
+
+    z = logits.clone().requires_grad_(True)
+    out = DraftOutput(logits=z, bonus_pos=torch.arange(5), target_rows=rows, valid=valid)
+    loss, _ = draft_loss("soft_ce", out, target_dist(tl, out))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
