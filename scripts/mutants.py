@@ -4,7 +4,7 @@ run the tests meant to catch it, and report which bugs went unnoticed.
 
     make mutants                                  # every mutant (minutes; not part of `make test` / CI)
     python scripts/mutants.py --list              # the mutants, their files and focused tests
-    python scripts/mutants.py --only rl.clip_swap,draft.soft_ce_no_detach
+    python scripts/mutants.py --only rl.clip_swap,draft.forward_kl_dispatch
     python scripts/mutants.py --check             # only check that every mutation still applies
     python scripts/mutants.py --baseline          # first run each focused test set unmutated
 
@@ -170,24 +170,18 @@ MUTANTS: list[Mutant] = [
       "if self.slots < need:", "if self.slots < need - 1:",
       ["tests/tapchannel/test_spec.py"], "too few slots for the 1F1B depth are accepted"),
     # ----- cotrain/draft: losses, export, acceptance -----------------------------------------------------
-    M("draft.soft_ce_no_detach", "cotrain/draft/losses.py",
-      "    per = -(p.detach() * logq).sum(-1)\n", "    per = -(p * logq).sum(-1)\n",
-      ["tests/draft/test_losses.py"], "soft CE lets gradient into the target"),
-    M("draft.forward_kl_no_detach", "cotrain/draft/losses.py",
-      "    p = p.detach()\n    per = (torch.special.xlogy(p, p) - p * logq).sum(-1)\n",
-      "    per = (torch.special.xlogy(p, p) - p * logq).sum(-1)\n",
-      ["tests/draft/test_losses.py"], "forward KL lets gradient into the target"),
     M("draft.target_probs_no_detach", "cotrain/draft/losses.py",
-      "target_logits[rows].float().detach() / temperature", "target_logits[rows].float() / temperature",
+      "x = self.source.detach().index_select(", "x = self.source.index_select(",
       ["tests/draft/test_losses.py"], "target_probs keeps the target's graph"),
     M("draft.forward_kl_dispatch", "cotrain/draft/losses.py",
-      "        loss = forward_kl(out.logits, p_ce, ce_valid, w)", "        loss = soft_ce(out.logits, p_ce, ce_valid, w)",
+      "        loss = _wmean(s[..., CE] + s[..., PLOGP], _weights(ce_valid, w))",
+      "        loss = _wmean(s[..., CE], _weights(ce_valid, w))",
       ["tests/draft/test_losses.py"], "draft_loss('forward_kl') computes soft CE"),
     M("draft.e2e_invalid_breaks_chain", "cotrain/draft/losses.py",
       "a = torch.where(valid, a, torch.ones_like(a))", "a = torch.where(valid, a, torch.zeros_like(a))",
       ["tests/draft/test_losses.py"], "an invalid position breaks the E2E-TV chain"),
     M("draft.dspark_label_not_detached", "cotrain/draft/losses.py",
-      "label = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)", "label = (1.0 - 0.5 * l1).clamp(0.0, 1.0)",
+      "label = (1.0 - 0.5 * s[..., L1]).detach().clamp(0.0, 1.0)", "label = (1.0 - 0.5 * s[..., L1]).clamp(0.0, 1.0)",
       ["tests/draft/test_losses.py"], "the confidence label backpropagates into the drafter"),
     M("draft.eagle3_norms_swapped_in_vllm_map", "cotrain/draft/eagle3.py",
       "                m[prefix + name] = f\"layers.{i}.{name}\"\n        return m\n",
@@ -235,6 +229,38 @@ MUTANTS: list[Mutant] = [
       "                drafted = vocab.to_target(drafted)\n", "                drafted = drafted\n",
       ["tests/draft/test_draft_vocab.py", "-k", "online_step_equals"],
       "the online trainer's offline acceptance compares draft ids with target tokens (reduced vocabulary)"),
+    # issue 17: the chunked losses (derivatives written in the forward) and the training path's attention
+    M("draft.loss_chunk_boundary", "cotrain/draft/losses.py",
+      "n1 = min(n0 + chunk, N)", "n1 = min(n0 + chunk - 1, N)",
+      ["tests/draft/test_losses.py", "-k", "chunk"], "a chunk's last chain is skipped at every boundary"),
+    M("draft.loss_ce_derivative_sign", "cotrain/draft/losses.py",
+      "torch.mul(q, p.sum(-1, keepdim=True), out=out).sub_(p)", "torch.mul(q, p.sum(-1, keepdim=True), out=out).add_(p)",
+      ["tests/draft/test_losses.py"], "the cross-entropy's derivative q sum(p) + p instead of - p"),
+    M("draft.loss_softmax_jacobian_uncentred", "cotrain/draft/losses.py",
+      "out.sub_(_rowdot(out, q)[:, None]).mul_(q)", "out.mul_(q)",
+      ["tests/draft/test_losses.py"], "L1 / overlap derivative through the softmax without the - <g, q> term"),
+    M("draft.training_path_dense_oracle", "cotrain/draft/common.py",
+      "            out, _, bout, _ = local_branch_attention(q, k, v, bq, bk, bv, self.layout)",
+      "            from cotrain.parallel import dense_branch_attention as d\n"
+      "            out, _, bout, _ = d(q, k, v, bq, bk, bv, self.layout) if q is not None else "
+      "local_branch_attention(q, k, v, bq, bk, bv, self.layout)",
+      ["tests/draft/test_drafters.py", "-k", "main_queries"],
+      "CP = 1 with main queries trains through the dense oracle again"),
+    # ----- bench/: what the benchmarks report follows from what they measured --------------------------------
+    M("bench.draft_vocab_ratio_inverted", "bench/draft_vocab.py",
+      "per_round = [b / a for a, b in zip(full.round_ms, red.round_ms)]",
+      "per_round = [a / b for a, b in zip(full.round_ms, red.round_ms)]",
+      ["tests/draft/test_draft_vocab_bench.py"], "the reduced / full step-time ratio reported upside down"),
+    M("bench.e2e_rollout_speedup_inverted", "bench/cotrain_e2e.py",
+      "\"rollout_speedup\": tot(\"plain\", \"time/rollout\") / tot(arm, \"time/rollout\"),",
+      "\"rollout_speedup\": tot(arm, \"time/rollout\") / tot(\"plain\", \"time/rollout\"),",
+      ["tests/test_bench_smoke.py", "-k", "cotrain_e2e"], "the co-training headline's rollout speed-up inverted",
+      timeout=600),
+    M("bench.e2e_arms_not_rotated", "bench/cotrain_e2e.py",
+      "            order = names[step % len(names):] + names[: step % len(names)]\n",
+      "            order = names\n",
+      ["tests/test_bench_smoke.py", "-k", "cotrain_e2e"], "the arms run in the same order every step (load drift "
+      "lands on the same arms)", timeout=600),
     # ----- cotrain/parallel: LSE merge, zigzag --------------------------------------------------------------
     M("parallel.lse_weight_sign", "cotrain/parallel/lse.py",
       "torch.sigmoid(block_lse - lse)", "torch.sigmoid(lse - block_lse)",
@@ -247,6 +273,13 @@ MUTANTS: list[Mutant] = [
     M("parallel.zigzag_mirror_chunk", "cotrain/parallel/zigzag.py",
       "for i in (rank, 2 * cp_size - 1 - rank):", "for i in (rank, 2 * cp_size - 2 - rank):",
       ["tests/parallel/test_layout_zigzag.py"], "zigzag pairs chunk r with 2C-2-r"),
+    M("parallel.branch_only_rows_after_main", "cotrain/parallel/branch_attention.py",
+      "base = T if main_queries else 0", "base = T",
+      ["tests/parallel/test_no_wasted_work.py"], "q=None plans place the branch query rows after absent main rows"),
+    M("parallel.ring_dkv_buffer_not_zeroed", "cotrain/parallel/branch_attention.py",
+      "dkv_bufs[step % 2].zero_()", "dkv_bufs[step % 2]",
+      ["tests/parallel/test_cp_branch_attention.py"],
+      "a travelling dK/dV buffer allocated once per backward is reused without zeroing"),
     M("parallel.zigzag_pad_unit", "cotrain/parallel/zigzag.py",
       "    unit = 2 * cp_size\n    return (seqlens + unit - 1) // unit * unit",
       "    unit = cp_size\n    return (seqlens + unit - 1) // unit * unit",

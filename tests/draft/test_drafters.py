@@ -131,16 +131,17 @@ def test_branch_attention_with_main_queries_equals_the_dense_oracle(drafters):
         return [out, bout] + [t.grad for t in x]
 
     ref = run(lambda *x: oracle(*x, lay)[::2])
+    import cotrain.parallel.dense as dense
+
     calls = []
-    dense = reference.dense_branch_attention
-    try:  # the training path never calls the dense oracle
-        reference.dense_branch_attention = lambda *a, **k: calls.append(1) or dense(*a, **k)
-        import cotrain.draft.common as common
-        assert not hasattr(common, "dense_branch_attention")
+    mask = dense.branch_attention_mask
+    try:  # every use of the dense oracle builds its mask: count them
+        dense.branch_attention_mask = lambda *a: calls.append(1) or mask(*a)
         got = run(BranchAttention(lay))
+        assert calls == []  # the training path never builds the dense mask
         old = run(lambda *x: reference.dense_bucket_attention(*x, lay, bucket_tokens=64))
     finally:
-        reference.dense_branch_attention = dense
+        dense.branch_attention_mask = mask
     assert len(calls) > 2  # the old path: one dense call per bucket
     for name, a, o, r in zip(("out", "bout", "dq", "dk", "dv", "dbq", "dbk", "dbv"), got, old, ref):
         torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5, msg=name)
