@@ -365,7 +365,9 @@ class FlashVarlenBlockKernel(_FusedTileKernel):
     needs (ring-flash-attention calls the same function). Its keywords are checked against the
     installed version when the kernel is built (flash-attn < 2.6 took ``window_size`` as a tuple):
     a mismatch raises ImportError naming the missing parameters, and ``default_kernel`` falls back
-    to the torch kernel with a warning. NOTE: not exercised in CPU-only CI (no GPU here).
+    to the torch kernel with a warning. The calls (keywords, shapes, the LSE's (nheads, total_q)
+    layout) are checked on CPU against stand-ins with those signatures (tests/parallel/test_flash_api.py);
+    the kernel itself has not run on a GPU here.
     """
 
     tile_cost_pairs = 0
