@@ -2,8 +2,9 @@
 
 The driver (:mod:`cotrain.rl.driver`) reaches its workers only through these interfaces:
 
-* a :class:`GenerationBackend` samples responses and loads pushed weights (vLLM engines in Ray
-  actors: :class:`cotrain.rl.rollout.RolloutGroup`);
+* a :class:`GenerationBackend` samples responses, loads pushed weights and, sharing the trainers'
+  GPUs (``rollout.colocate``), sleeps while they run (vLLM engines in Ray actors:
+  :class:`cotrain.rl.rollout.RolloutGroup`);
 * a :class:`TrainingBackend` recomputes log-probabilities, takes GRPO steps (with the co-trained
   drafter's step on the same forward), publishes its weights for the engines and checkpoints
   itself (Megatron-core ranks in Ray actors: :class:`cotrain.rl.workers.TrainerGroup`);
