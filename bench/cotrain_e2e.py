@@ -26,7 +26,8 @@ Reported, per family, in the JSON (``--out``) and printed:
     acceptance_first/last   vLLM acceptance length of the first / last few steps, frozen and co-trained
     update_overhead         co-trained: drafter time / (update time - drafter time) (sums)
     tap_wait_fraction       co-trained: TapChannel wait / update time (sums)
-and per step every arm's phases, reward, KL to the initial policy and train-inference KL; per-step
+and per step every arm's phases, reward, KL to the initial policy and train-inference KL, and when
+the step ran (``time/start`` / ``time/end``, seconds since the first step began); per-step
 ratios come with their median and [min, max]. After every round the steps so far are written to
 ``<out>.partial.json`` (readable by ``--report``), so a run that dies keeps its finished steps.
 ``summary["arms"]`` has the same keys for every
@@ -135,26 +136,6 @@ def summarize(arms: dict[str, list[dict]], kinds: list[str], tail: int, peers: l
         v = [m["spec/acceptance_length"] for m in arms[arm][part] if "spec/acceptance_length" in m]
         return statistics.mean(v) if v else float("nan")
 
-    out = {}
-    for kind in kinds:
-        f, c = f"frozen_{kind}", f"cotrained_{kind}"
-        draft = tot(c, "time/draft")
-        out[kind] = {
-            "rollout_speedup": tot("plain", "time/rollout") / tot(c, "time/rollout"),
-            "e2e_speedup": tot("plain", "time/step") / tot(c, "time/step"),
-            "frozen_rollout_speedup": tot("plain", "time/rollout") / tot(f, "time/rollout"),
-            "frozen_e2e_speedup": tot("plain", "time/step") / tot(f, "time/step"),
-            "acceptance_first": {"frozen": acc(f, slice(0, tail)), "cotrained": acc(c, slice(0, tail))},
-            "acceptance_last": {"frozen": acc(f, slice(-tail, None)), "cotrained": acc(c, slice(-tail, None))},
-            "update_overhead": draft / (tot(c, "time/update") - draft),
-            "tap_wait_fraction": tot(c, "tap/wait_s") / tot(c, "time/update"),
-            "per_step_rollout_speedup": ratios("plain", c, "time/rollout"),
-            "per_step_e2e_speedup": ratios("plain", c, "time/step"),
-            "per_step_frozen_rollout_speedup": ratios("plain", f, "time/rollout"),
-        }
-    out["noise"] = {"reward_mean_seed0": statistics.mean(m["reward/mean"] for m in arms["plain"]),
-                    "reward_mean_seed1": statistics.mean(m["reward/mean"] for m in arms["plain_seed1"])}
-
     def pooled(arm: str, side: str) -> float:  # per-request acceptance over the whole run
         ms = arms[arm]
         n = sum(m.get(f"spec/responses_{side}", 0.0) for m in ms)
@@ -162,10 +143,10 @@ def summarize(arms: dict[str, list[dict]], kinds: list[str], tail: int, peers: l
              if m.get(f"spec/responses_{side}") and m.get(f"spec/acceptance_{side}") == m.get(f"spec/acceptance_{side}")]
         return sum(a * w for a, w in v) / sum(w for _, w in v) if v and n else float("nan")
 
-    out["arms"] = {}  # the same keys for every speculative arm
+    per_arm = {}  # the same keys for every speculative arm: computed once, here
     for arm in [a for a in arms if not a.startswith("plain")]:
         draft = tot(arm, "time/draft")
-        out["arms"][arm] = {
+        per_arm[arm] = {
             "rollout_speedup": tot("plain", "time/rollout") / tot(arm, "time/rollout"),
             "e2e_speedup": tot("plain", "time/step") / tot(arm, "time/step"),
             "acceptance_first": acc(arm, slice(0, tail)), "acceptance_last": acc(arm, slice(-tail, None)),
@@ -175,6 +156,26 @@ def summarize(arms: dict[str, list[dict]], kinds: list[str], tail: int, peers: l
             "per_step_rollout_speedup": ratios("plain", arm, "time/rollout"),
             "per_step_e2e_speedup": ratios("plain", arm, "time/step"),
         }
+
+    out = {}
+    for kind in kinds:  # co-trained vs frozen per family (issue 12's keys), read from the per-arm summary
+        c, f = per_arm[f"cotrained_{kind}"], per_arm[f"frozen_{kind}"]
+        out[kind] = {
+            "rollout_speedup": c["rollout_speedup"],
+            "e2e_speedup": c["e2e_speedup"],
+            "frozen_rollout_speedup": f["rollout_speedup"],
+            "frozen_e2e_speedup": f["e2e_speedup"],
+            "acceptance_first": {"frozen": f["acceptance_first"], "cotrained": c["acceptance_first"]},
+            "acceptance_last": {"frozen": f["acceptance_last"], "cotrained": c["acceptance_last"]},
+            "update_overhead": c["update_overhead"],
+            "tap_wait_fraction": c["tap_wait_fraction"],
+            "per_step_rollout_speedup": c["per_step_rollout_speedup"],
+            "per_step_e2e_speedup": c["per_step_e2e_speedup"],
+            "per_step_frozen_rollout_speedup": f["per_step_rollout_speedup"],
+        }
+    out["noise"] = {"reward_mean_seed0": statistics.mean(m["reward/mean"] for m in arms["plain"]),
+                    "reward_mean_seed1": statistics.mean(m["reward/mean"] for m in arms["plain_seed1"])}
+    out["arms"] = per_arm
     half = len(arms["plain"]) // 2
     out["head_to_head"] = {}
     for kind in kinds:
@@ -295,12 +296,15 @@ def run(args) -> dict:
             runs[name].setup(resume=False)
             last[name] = _record_samples(runs[name].rollout)
         names = list(specs)
+        origin = time.perf_counter()
         for step in range(1, args.steps + 1):
             order = names[step % len(names):] + names[: step % len(names)]
             for name in order:
                 t0 = time.perf_counter()
                 m = runs[name].step(step)
-                m["time/step"] = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                # when the step ran (seconds since the first step began): the interleaving, checkable
+                m["time/step"], m["time/start"], m["time/end"] = t1 - t0, t0 - origin, t1 - origin
                 m.update(acceptance_by_length(last[name][0], args.long_tokens))
                 runs[name].logger.log(step, m)
                 metrics[name].append(m)
@@ -320,7 +324,7 @@ def run(args) -> dict:
     return _result(args, kinds, peers, metrics, args.steps)
 
 
-KEEP = ("time/step", *PHASES, "time/draft_push", "tap/wait_s", "rollout/tokens_per_s", "reward/mean", "kl/ref",
+KEEP = ("time/step", "time/start", "time/end", *PHASES, "time/draft_push", "tap/wait_s", "rollout/tokens_per_s", "reward/mean", "kl/ref",
         "kl/train_infer", "spec/acceptance_length", "draft/acceptance_offline", "draft/loss", "response/length",
         "spec/acceptance_short", "spec/acceptance_long", "spec/responses_short", "spec/responses_long")
 
