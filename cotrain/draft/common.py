@@ -230,14 +230,15 @@ class BranchAttention:
         self.layout, self.group = layout, group
         self.ring = not (layout.cp_size == 1 and group is None)
 
-    def __call__(self, q, k, v, bq, bk, bv) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+    def __call__(self, q, k, v, bq, bk, bv, with_lse: bool = False):
         """(out, bout): main and branch outputs (bq/bk/bv None when there are no branch tokens);
-        q=None: no main queries, out is None (see the class docstring)."""
+        q=None: no main queries, out is None (see the class docstring). with_lse: (out, bout, blse),
+        blse (branch tokens, heads) fp32 and differentiable."""
         if self.ring:
-            out, _, bout, _ = cp_branch_attention(q, k, v, bq, bk, bv, self.layout, self.group)
+            out, _, bout, blse = cp_branch_attention(q, k, v, bq, bk, bv, self.layout, self.group)
         else:
-            out, _, bout, _ = local_branch_attention(q, k, v, bq, bk, bv, self.layout)
-        return out, bout
+            out, _, bout, blse = local_branch_attention(q, k, v, bq, bk, bv, self.layout)
+        return (out, bout, blse) if with_lse else (out, bout)
 
 
 def init_linear_(module: nn.Module, std: float = 0.02, generator: Optional[torch.Generator] = None) -> None:

@@ -12,9 +12,17 @@ the prenorm output of pass t-1 at p, sits at RoPE position p+t and predicts x_{p
 to pass 0's keys at positions <= p and to passes 1..t at p - the layout
 ``eagle3_ttt_layout`` (context="inclusive", intra="causal"), exactly what vLLM's drafter sees when
 it drafts k tokens after bonus token x_{p+1}. The passes run one after another (pass t needs pass
-t-1's output); passes 1..k-1 call branch attention with the same layout, the not-yet-computed
-passes zero (intra="causal" hides them), and without main queries (the trunk gives keys/values
-only: ``q=None``), so under CP their ring plan is built once; pass 0 attends over the trunk alone.
+t-1's output); pass 0 attends over the trunk alone. Pass t has one live query per anchor (its own
+slot; the later slots do not exist yet), so it queries only that: with K_p the trunk keys up to p
+and k_1..k_t the anchor's pass keys,
+
+    (o_a, l_a) = branch attention of q_t over K_p and k_t    (q=None: the trunk gives keys/values only;
+                                                               a layout of one token per anchor, built once)
+    (o_b, l_b) = attention of q_t over k_1..k_{t-1}           (t - 1 keys per anchor, plain torch)
+    o = (e^{l_a} o_a + e^{l_b} o_b) / (e^{l_a} + e^{l_b})     (exact LSE merge; o = o_a for t = 1)
+
+which is attention over K_p and k_1..k_t: no zero query for the other k-2 slots, no trunk tile for
+them (under CP the ring exchange is the same).
 
 Chains: the chain at anchor p has bonus position p+1 and k drafts (pass t = draft t).
 
@@ -155,7 +163,7 @@ class Eagle3Drafter(Drafter):
         C = layout.cp_size
         rank = group_rank(group) if C > 1 else 0
         a = self.target_arch
-        H, D, nh, nkv = a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads
+        D = a.head_dim
         T = batch.num_tokens
         ids = batch.input_ids
         rows = local_rows(layout, rank)
@@ -186,9 +194,9 @@ class Eagle3Drafter(Drafter):
 
         # pass 0 has main queries and no branch query yet: it attends over the trunk alone (the
         # layout without its branches; main tokens never see branch tokens, so nothing changes but the
-        # work); passes 1..k-1 have branch queries only (q=None below)
+        # work); passes 1..k-1 query their live slot only (module doc; q=None below)
         attn0 = BranchAttention(layout.subset([]), group)
-        attn = BranchAttention(layout, group)
+        live = eagle3_ttt_layout(batch.cu_seqlens, 2, positions=layout.anchors, cp_size=C) if k > 1 else None
         # pass 0 (the trunk)
         resid = self.fc(taps)
         trunk_kv = []
@@ -215,14 +223,9 @@ class Eagle3Drafter(Drafter):
             for li, layer in enumerate(self.layers):
                 x = layer.attn_input(emb, resid)
                 q = layer.self_attn.q(x, cos, sin)
-                kk, vv = layer.self_attn.kv(x, cos, sin)
-                branch_kv[li].append((kk, vv))
-                bq = self._place(q, t, k, nh, D)
-                bk = self._stack([kv[0] for kv in branch_kv[li]], k, nkv, D)
-                bv = self._stack([kv[1] for kv in branch_kv[li]], k, nkv, D)
-                # the trunk gives keys/values only here: no main queries (q=None)
-                _, bout = attn(None, trunk_kv[li][0], trunk_kv[li][1], bq, bk, bv)
-                resid = layer.finish(resid, bout.view(NB, k - 1, nh, D)[:, t - 1])
+                branch_kv[li].append(layer.self_attn.kv(x, cos, sin))
+                o = self._pass_attention(live, group, t, trunk_kv[li], q, branch_kv[li])
+                resid = layer.finish(resid, o)
             prenorm = resid
             logits.append(self._logits(prenorm))
 
@@ -233,18 +236,22 @@ class Eagle3Drafter(Drafter):
     def _logits(self, prenorm: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(prenorm))
 
-    @staticmethod
-    def _place(x: torch.Tensor, t: int, k: int, heads: int, D: int) -> torch.Tensor:
-        """(NB, heads, D) into branch token slot t-1 of (NB*(k-1), heads, D), zeros elsewhere."""
-        NB = x.shape[0]
-        parts = [x.new_zeros(NB, heads, D)] * (t - 1) + [x] + [x.new_zeros(NB, heads, D)] * (k - 1 - t)
-        return torch.stack(parts, dim=1).reshape(NB * (k - 1), heads, D)
-
-    @staticmethod
-    def _stack(xs: list[torch.Tensor], k: int, heads: int, D: int) -> torch.Tensor:
-        NB = xs[0].shape[0]
-        parts = list(xs) + [xs[0].new_zeros(NB, heads, D)] * (k - 1 - len(xs))
-        return torch.stack(parts, dim=1).reshape(NB * (k - 1), heads, D)
+    def _pass_attention(self, live: BranchLayout, group, t: int, trunk_kv, q, kvs):
+        """Pass t's attention output (NB, heads, D) for its live query q (NB, heads, D), with the
+        trunk's (k, v) and the anchor's pass keys/values ``kvs`` = [(k_1, v_1) .. (k_t, v_t)]: the
+        LSE merge of the module doc."""
+        _, o_a, l_a = BranchAttention(live, group)(None, trunk_kv[0], trunk_kv[1], q, *kvs[-1], with_lse=True)
+        if t == 1:
+            return o_a
+        ek = torch.stack([kv[0] for kv in kvs[:-1]], dim=1)  # (NB, t-1, Hk, D)
+        ev = torch.stack([kv[1] for kv in kvs[:-1]], dim=1)
+        g = q.shape[1] // ek.shape[2]
+        s = torch.einsum("nhd,nmhd->nhm", q.float(), ek.float().repeat_interleave(g, dim=2)) * q.shape[-1] ** -0.5
+        l_b = torch.logsumexp(s, dim=-1)
+        o_b = torch.einsum("nhm,nmhd->nhd", torch.softmax(s, dim=-1), ev.float().repeat_interleave(g, dim=2))
+        lse = torch.logaddexp(l_a, l_b)
+        o = o_a.float() * torch.exp(l_a - lse)[..., None] + o_b * torch.exp(l_b - lse)[..., None]
+        return o.to(q.dtype)
 
     # ----- vLLM ---------------------------------------------------------------------------------
     def _vllm_name_map(self) -> dict[str, str]:

@@ -7,7 +7,9 @@ benchmark times it as the "before" arm.
   call runs the old way: at CP = 1 the explicit-mask oracle ``dense_branch_attention`` on buckets
   of whole sequences (at most ``bucket_tokens`` main + branch tokens each; sequences never see each
   other, so this equals one dense call), and without main queries (``q=None``) all-zero main queries
-  whose outputs are thrown away (at CP > 1 through the ring with those zero queries).
+  whose outputs are thrown away (at CP > 1 through the ring with those zero queries); and EAGLE-3's
+  passes 1..k-1 query all k-1 slots of the TTT layout (the not-yet-computed ones zero) and keep
+  slot t-1, instead of the live slot alone.
 - :func:`draft_loss`: the losses in plain autograd on full (N, W, V) fp32 tensors, metrics read back
   to the host (``float``) in every call; same arguments and values as
   :func:`cotrain.draft.losses.draft_loss`, which computes them in chunks on the device.
@@ -22,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from cotrain.draft.common import BranchAttention, DraftOutput
-from cotrain.parallel import BranchLayout, cp_branch_attention, dense_branch_attention
+from cotrain.draft.eagle3 import Eagle3Drafter
+from cotrain.parallel import BranchLayout, cp_branch_attention, dense_branch_attention, eagle3_ttt_layout
 
 
 # ------------------------------------------------------------------------------------ attention
@@ -71,15 +74,31 @@ def _old_call(self: BranchAttention, q, k, v, bq, bk, bv):
     return dense_bucket_attention(q, k, v, bq, bk, bv, self.layout)
 
 
+def _old_pass_attention(self: Eagle3Drafter, live: BranchLayout, group, t: int, trunk_kv, q, kvs):
+    k = self.num_passes
+    key = ("reference_ttt_layout", k)
+    if key not in live._cache:  # the full TTT layout (k - 1 tokens per anchor), built once per forward
+        live._cache[key] = eagle3_ttt_layout(live.cu_seqlens, k, positions=live.anchors, cp_size=live.cp_size)
+    NB, nh, D = q.shape
+    nkv = kvs[0][0].shape[1]
+    pad = [q.new_zeros(NB, nkv, D)] * (k - 1 - t)
+    bq = torch.stack([q.new_zeros(NB, nh, D)] * (t - 1) + [q] + [q.new_zeros(NB, nh, D)] * (k - 1 - t), 1)
+    bk = torch.stack([kv[0] for kv in kvs] + pad, 1).reshape(-1, nkv, D)
+    bv = torch.stack([kv[1] for kv in kvs] + pad, 1).reshape(-1, nkv, D)
+    _, bout = BranchAttention(live._cache[key], group)(None, trunk_kv[0], trunk_kv[1], bq.reshape(-1, nh, D), bk, bv)
+    return bout.view(NB, k - 1, nh, D)[:, t - 1]
+
+
 @contextlib.contextmanager
 def dense_attention():
-    """Every BranchAttention call inside runs the old path (module doc); restored on exit."""
-    new = BranchAttention.__call__
-    BranchAttention.__call__ = _old_call
+    """Every BranchAttention call inside, and EAGLE-3's passes, run the old path (module doc);
+    restored on exit."""
+    new_call, new_pass = BranchAttention.__call__, Eagle3Drafter._pass_attention
+    BranchAttention.__call__, Eagle3Drafter._pass_attention = _old_call, _old_pass_attention
     try:
         yield
     finally:
-        BranchAttention.__call__ = new
+        BranchAttention.__call__, Eagle3Drafter._pass_attention = new_call, new_pass
 
 
 # ----------------------------------------------------------------------------------------- losses

@@ -180,13 +180,15 @@ def test_branch_attention_without_main_queries_equals_dense_branch_rows(drafters
 
 def test_drafters_compute_main_queries_only_where_they_are_used(drafters, monkeypatch):
     # DFlash/DSpark: no decoder layer on the context, so no main queries in any layer. EAGLE-3: main
-    # queries on pass 0 (over the trunk alone, no branch queries), branch queries only on passes 1..k-1.
+    # queries on pass 0 (over the trunk alone, no branch queries), branch queries only on passes 1..k-1,
+    # one per anchor (the live slot; the earlier slots' keys are merged in by LSE).
     calls = []
     call = BranchAttention.__call__
 
-    def spy(self, q, k, v, bq, bk, bv):
-        calls.append((q is not None, bq is not None, self.layout.num_branches > 0))
-        return call(self, q, k, v, bq, bk, bv)
+    def spy(self, q, k, v, bq, bk, bv, **kw):
+        calls.append((q is not None, bq is not None, self.layout.num_branches > 0,
+                      None if bq is None else bq.shape[0] == self.layout.total_branch_tokens == self.layout.num_branches))
+        return call(self, q, k, v, bq, bk, bv, **kw)
 
     monkeypatch.setattr(BranchAttention, "__call__", spy)
     for kind, d in drafters.items():
@@ -196,10 +198,10 @@ def test_drafters_compute_main_queries_only_where_they_are_used(drafters, monkey
         with torch.no_grad():
             d(b, lay)
         n = len(d.layers)
-        if kind == "eagle3":
-            assert calls == [(True, False, False)] * n + [(False, True, True)] * (d.num_passes - 1) * n
+        if kind == "eagle3":  # passes 1..k-1: one query per anchor (the live slot), not k - 1
+            assert calls == [(True, False, False, None)] * n + [(False, True, True, True)] * (d.num_passes - 1) * n
         else:
-            assert calls == [(False, True, True)] * n, kind
+            assert calls == [(False, True, True, False)] * n, kind
 
 
 # -------------------------------------------------------------------------- what drafts see
