@@ -261,6 +261,14 @@ MUTANTS: list[Mutant] = [
       "            order = names\n",
       ["tests/test_bench_smoke.py", "-k", "cotrain_e2e"], "the arms run in the same order every step (load drift "
       "lands on the same arms)", timeout=600),
+    M("draft.eagle3_live_slot_merge_weight", "cotrain/draft/eagle3.py",
+      "o_b * torch.exp(l_b - lse)[..., None]", "o_b * torch.exp(l_a - lse)[..., None]",
+      ["tests/draft/test_drafters.py", "-k", "live_slot"],
+      "EAGLE-3's live slot merges the earlier pass keys' attention with the trunk part's weight"),
+    M("draft.eagle3_live_slot_own_key_twice", "cotrain/draft/eagle3.py",
+      "ek = torch.stack([kv[0] for kv in kvs[:-1]], dim=1)", "ek = torch.stack([kv[0] for kv in kvs[1:]], dim=1)",
+      ["tests/draft/test_drafters.py", "-k", "live_slot"],
+      "EAGLE-3's pass t attends to its own key twice and never to pass 1's"),
     # ----- cotrain/parallel: LSE merge, zigzag --------------------------------------------------------------
     M("parallel.lse_weight_sign", "cotrain/parallel/lse.py",
       "torch.sigmoid(block_lse - lse)", "torch.sigmoid(lse - block_lse)",

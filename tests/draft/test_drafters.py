@@ -1,5 +1,7 @@
 """Drafter families: config validation, registry, branch layouts, and what each draft may see."""
 
+import contextlib
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -176,6 +178,32 @@ def test_branch_attention_without_main_queries_equals_dense_branch_rows(drafters
         torch.testing.assert_close(bout, bref, atol=1e-5, rtol=1e-5)
         for name, a, r in zip(("k", "v", "bq", "bk", "bv"), got_in, ref_in[1:]):
             torch.testing.assert_close(a.grad, r.grad, atol=1e-5, rtol=1e-5, msg=f"{kind} d{name}")
+
+
+@pytest.mark.parametrize("passes", [2, 4])
+def test_eagle3_live_slot_passes_equal_the_old_slot_layout(target, passes):
+    """EAGLE-3's passes 1..k-1 through the live slot and the LSE merge with the earlier pass keys give
+    the chains and gradients of the old path (every TTT slot queried through the dense oracle, zero
+    queries for the others; cotrain.draft.reference), at k = 2 (no earlier keys) and k = 4."""
+    from cotrain.draft import reference
+
+    d = build_drafter("eagle3", {"ttt_steps": passes}, target, seed=1)
+    b = batch_for(d, lens=(30, 5, 17, 40))
+    lay = d.build_layout(b)
+
+    def run(old):
+        d.zero_grad(set_to_none=True)
+        with reference.dense_attention() if old else contextlib.nullcontext():
+            out = d(b, lay)
+        (out.logits * torch.linspace(-1, 1, out.logits.shape[-1])).sum().backward()
+        return out.logits.detach(), {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
+
+    (new, gnew), (old, gold) = run(False), run(True)
+    torch.testing.assert_close(new, old, atol=2e-5, rtol=2e-5)
+    assert gnew.keys() == gold.keys()
+    for name, g in gold.items():
+        torch.testing.assert_close(gnew[name], g, atol=5e-5, rtol=5e-4, msg=name)
+    assert float((new[:, -1] - new[:, 0]).abs().max()) > 1e-3  # the passes differ: a wrong merge would show
 
 
 def test_drafters_compute_main_queries_only_where_they_are_used(drafters, monkeypatch):
