@@ -11,6 +11,7 @@ for jobs before the first submission, and stopped without touching any other Ray
 import json
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -54,7 +55,16 @@ def test_job_writes_metrics_curves_and_checkpoints(run_a):
         for key in ("reward/mean", "reward/accuracy", "kl/train_infer", "kl/ref", "response/length",
                     "time/rollout", "time/update", "time/weight_push", "train/grad_norm"):
             assert key in step, key
-    assert (run_a / "curves.png").stat().st_size > 0
+    # curves.png is the figure of the run's metrics.jsonl (its size at plot_run's resolution), with the
+    # co-trained drafter's panels
+    from cotrain.rl.plot import DPI, run_figure
+
+    png = (run_a / "curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    fig = run_figure(run_a)
+    assert struct.unpack(">II", png[16:24]) == tuple(round(x * DPI) for x in fig.get_size_inches())
+    titles = {ax.get_title() for ax in fig.axes if ax.get_visible()}
+    assert {"reward", "train-inference KL", "acceptance length", "drafter loss"} <= titles
     assert any((run_a / "tensorboard").iterdir())
     assert (run_a / "checkpoints" / "step_000002" / "COMPLETE").exists()
     assert "trainer_rank0000.pt" in json.loads((run_a / "checkpoints" / "step_000002" / "MANIFEST.json").read_text())["files"]
