@@ -206,6 +206,14 @@ MUTANTS: list[Mutant] = [
       "m = {\"fc.weight\": \"fc.weight\", \"hidden_norm.weight\": \"norm.weight\", \"norm.weight\": \"hidden_norm.weight\"}",
       ["tests/draft/test_export.py", "-k", "reproduces_our_logits and dflash"],
       "DFlash's hidden_norm and norm swapped in the vLLM name map (seen by vLLM's DFlashQwen3ForCausalLM)"),
+    M("draft.dspark_markov_swapped_vllm_logits", "cotrain/draft/dspark.py",
+      "        m[\"markov_head.markov_w1.weight\"] = \"markov_head.markov_w1.weight\"\n"
+      "        m[\"markov_head.markov_w2.weight\"] = \"markov_head.markov_w2.weight\"\n",
+      "        m[\"markov_head.markov_w1.weight\"] = \"markov_head.markov_w2.weight\"\n"
+      "        m[\"markov_head.markov_w2.weight\"] = \"markov_head.markov_w1.weight\"\n",
+      ["tests/draft/test_export.py", "-k", "reproduces_our_logits and dspark"],
+      "DSpark's Markov embedding and output (both V x r) swapped in the vLLM name map (seen by vLLM's "
+      "Qwen3DSparkForCausalLM)"),
     M("draft.eagle3_attn_input_order", "cotrain/draft/eagle3.py",
       "return torch.cat([self.input_layernorm(emb), self.hidden_norm(resid)], dim=-1)",
       "return torch.cat([self.hidden_norm(resid), self.input_layernorm(emb)], dim=-1)",
