@@ -178,8 +178,9 @@ def _perturbed(kind, target, seed):
 
 @pytest.fixture(scope="module")
 def vllm_run(target, tiny_model_path, tmp_path_factory):
-    """kind -> {our drafter, our DraftOutput, the chains compared, batch, layout, vLLM's result}: our export loaded into vLLM's
-    class for the family and run there (tests/draft/_vllm_drafter.py), once per family."""
+    """kind -> {our drafter, our DraftOutput, the chains compared, batch, layout, vLLM's result}: our
+    export loaded into vLLM's class for the family and run there (tests/draft/_vllm_drafter.py), once
+    per family."""
     cache = {}
 
     def run(kind):
