@@ -21,10 +21,12 @@ pass-0 keys of the context up to the anchor, then each draft step's; DFlash/DSpa
 the class itself precomputes and stores), with vLLM's causality per family.
 
 The inputs are what a serving engine feeds the drafter, not cotrain's training layout: EAGLE-3
-drafts from anchor p (bonus token x[p+1]) by a context forward over positions 0..p-ish (token
-x[q+1] with the target's taps at q, RoPE position q) and then one forward per further draft t
-(token x[p+1+t] teacher-forced, the previous step's pre-norm output as hidden state, position p+t);
-a block drafter runs [x[a], filler...] at positions a..a+B-1 over the context K/V of positions < a.
+drafts from anchor p (bonus token x[p+1]) after a context forward over the sequence (position q
+reads token x[q+1] and the target's taps at q, RoPE position q; causal, so the drafter's cache for
+the anchor is positions 0..p of it), then one forward per further draft t (token x[p+1+t]
+teacher-forced, the previous step's pre-norm output as hidden state, position p+t, attending to
+that cache and the earlier drafts); a block drafter runs [x[a], filler...] at positions a..a+B-1
+over the context K/V of positions < a.
 """
 
 from __future__ import annotations
