@@ -24,8 +24,8 @@ attention: query head h uses K/V head h // (H / Hk); dk, dv sum over the heads o
 Kernels: TorchBlockKernel (plain torch, any device, the reference); CpuFusedBlockKernel (the
 default on CPU: torch's fused CPU flash-attention op for full and causal tiles); FlashVarlenBlockKernel
 (the default on CUDA when flash-attn imports: its varlen kernel for full and causal tiles, fp16/bf16).
-The fused ones hand "masked" tiles, backward passes with a non-zero LSE gradient, and dtypes they do
-not take (fp64) to the torch kernel.
+The fused ones hand "masked" tiles and dtypes they do not take (fp64) to the torch kernel; an LSE
+gradient is folded into one more head dimension for them (_fold_dlse).
 
 Branch-local attention is block-diagonal (cotrain.parallel.blockdiag): the kernels here expose it as
 forward_blocks / backward_blocks (plain torch, batched per branch length, any device and dtype). A
@@ -226,8 +226,9 @@ class TorchBlockKernel:
 
 class _FusedTileKernel:
     """Dispatch shared by the fused kernels: the tile kinds in FUSED_KINDS go to a fused attention op
-    that returns (out, lse) and whose backward takes the rows' final (out, lse); other tiles, inputs
-    the op cannot take, and LSE gradients (the fused backward has no dlse input) go to TorchBlockKernel."""
+    that returns (out, lse) and whose backward takes the rows' final (out, lse) (an LSE gradient
+    folded in by _fold_dlse: the ops have no dlse input); other tiles and inputs the op cannot take go
+    to TorchBlockKernel."""
 
     FUSED_KINDS: tuple[str, ...] = (FULL, CAUSAL)
     tile_cost_pairs = DEFAULT_TILE_COST_PAIRS
@@ -259,11 +260,13 @@ class _FusedTileKernel:
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, mask: BlockMask, scale: float, dlse=None, grads=None):
-        if not self._usable(q) or (dlse is not None and bool(dlse.any())):
+        if not self._usable(q):
             return self._torch.backward(dout, q, k, v, out, lse, mask, scale, dlse, grads)
         fused, rest = self._split(mask)
-        dq, dk, dv = self._torch.backward(dout, q, k, v, out, lse, rest, scale, None, grads)
+        dq, dk, dv = self._torch.backward(dout, q, k, v, out, lse, rest, scale, dlse, grads)
         if fused:
+            if dlse is not None:
+                dout, q, k, v, out = _fold_dlse(dout, q, k, v, out, dlse)
             self._fused_backward(dout, q, k, v, out, lse, mask, fused, scale, dq, dk, dv)
         return dq, dk, dv
 
@@ -272,6 +275,20 @@ class _FusedTileKernel:
 
     def backward_blocks(self, dout, q, k, v, out, lse, blocks: BlockDiagonal, scale: float, dlse=None):
         return self._torch.backward_blocks(dout, q, k, v, out, lse, blocks, scale, dlse)
+
+
+def _fold_dlse(dout, q, k, v, out, dlse):
+    """The fused backward ops take no LSE gradient; fold it into one more head dimension. With
+    d lse_i / d s_ij = P_ij the score gradient is dS = P (dout v^T - delta + dlse), delta =
+    rowsum(dout * out): appending a column of ones to v, dlse to dout, 0 to out, and 0 to q and k
+    (the scores do not change) makes the op's dout v^T + its delta exactly that, so its dq, dk, dv are
+    right in the first D columns (the extra column of dv is P^T dlse: dropped by the caller)."""
+    def pad(x, value, dtype=None):
+        x = x if dtype is None else x.to(dtype)
+        return torch.cat([x, x.new_full((*x.shape[:-1], 1), value)], dim=-1)
+
+    return (torch.cat([dout, dlse.to(dout.dtype)[..., None]], dim=-1), pad(q, 0.0), pad(k, 0.0), pad(v, 1.0),
+            pad(out, 0.0, dout.dtype))
 
 
 def _window_bias(n: int, window: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -344,10 +361,10 @@ class CpuFusedBlockKernel(_FusedTileKernel):
                 self._rows_in(out, t, q.dtype), self._rows_in(lse, t).contiguous(),
                 0.0, t.kind != FULL and bias is None, attn_mask=bias, scale=scale,
             )
-            m = t.k1 - t.k0
-            dq[rows] += self._rows_out(gq).float()
-            dk[cols] += gk.sum(0).reshape(hk, g, m, -1).sum(1).transpose(0, 1).float()
-            dv[cols] += gv.sum(0).reshape(hk, g, m, -1).sum(1).transpose(0, 1).float()
+            m, d = t.k1 - t.k0, dq.shape[-1]  # d < the inputs' head dim when an LSE gradient was folded in
+            dq[rows] += self._rows_out(gq)[..., :d].float()
+            dk[cols] += gk.sum(0).reshape(hk, g, m, -1).sum(1).transpose(0, 1)[..., :d].float()
+            dv[cols] += gv.sum(0).reshape(hk, g, m, -1).sum(1).transpose(0, 1)[..., :d].float()
 
 
 class FlashVarlenBlockKernel(_FusedTileKernel):
@@ -431,9 +448,10 @@ class FlashVarlenBlockKernel(_FusedTileKernel):
                 softmax_scale=scale, causal=causal, window_size_left=window[0], window_size_right=window[1],
                 softcap=0.0, alibi_slopes=None, deterministic=False,
             )
-            dq.index_add_(0, qi, dqg.float())
-            dk.index_add_(0, ki, dkg.float())
-            dv.index_add_(0, ki, dvg.float())
+            d = dq.shape[-1]  # < the inputs' head dim when an LSE gradient was folded in
+            dq.index_add_(0, qi, dqg[..., :d].float())
+            dk.index_add_(0, ki, dkg[..., :d].float())
+            dv.index_add_(0, ki, dvg[..., :d].float())
 
 
 def _parameters(fn) -> set[str]:

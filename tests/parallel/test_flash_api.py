@@ -16,7 +16,8 @@ import types
 import pytest
 import torch
 
-from cotrain.parallel.kernels import CAUSAL, FULL, BlockMask, FlashVarlenBlockKernel, Tile, TorchBlockKernel, default_kernel
+from cotrain.parallel.kernels import (CAUSAL, FULL, BlockMask, FlashVarlenBlockKernel, Tile, TorchBlockKernel, _fold_dlse,
+                                      default_kernel)
 
 
 def _segments(cu_q, cu_k):
@@ -124,6 +125,12 @@ def test_flash_kernel_calls_match_flash_attn_signatures(fake_flash, window):
     flash._fused_backward(dout, q, k, v, out_r, lse_r, mask, fused, 0.3, *grads)
     for name, a, b in zip("qkv", grads, ref.backward(dout, q, k, v, out_r, lse_r, mask, 0.3)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"d{name}")
+    # an LSE gradient, folded into one more head dimension (flash-attn's backward has no dlse input)
+    dlse = torch.randn(n, 4, generator=g)
+    grads = tuple(torch.zeros(t.shape) for t in (q, k, v))
+    flash._fused_backward(*_fold_dlse(dout, q, k, v, out_r, dlse), lse_r, mask, fused, 0.3, *grads)
+    for name, a, b in zip("qkv", grads, ref.backward(dout, q, k, v, out_r, lse_r, mask, 0.3, dlse)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"d{name} with dlse")
 
 
 def test_flash_version_with_other_backward_parameters_falls_back(fake_flash, monkeypatch):

@@ -276,3 +276,14 @@ def test_cpu_fused_kernel_matches_torch_kernel(window, dtype):
     dout = torch.randn(out_r.shape, generator=g)
     for a, b in zip(fused.backward(dout, q, k, v, out_r, lse_r, mask, 0.3), ref.backward(dout, q, k, v, out_r, lse_r, mask, 0.3)):
         assert torch.allclose(a, b, atol=tol * 4), float((a - b).abs().max())
+    # with an LSE gradient (folded into one more head dimension for the fused op), into given accumulators
+    dlse = torch.randn(lse_r.shape, generator=g)
+    acc = tuple(torch.ones(t.shape) for t in (q, k, v))
+    got = fused.backward(dout, q, k, v, out_r, lse_r, mask, 0.3, dlse, grads=acc)
+    assert all(a is b for a, b in zip(got, acc))
+    want = ref.backward(dout, q, k, v, out_r, lse_r, mask, 0.3, dlse)
+    no_dlse = ref.backward(dout, q, k, v, out_r, lse_r, mask, 0.3)
+    for a, b in zip(got, want):
+        assert torch.allclose(a - 1, b, atol=tol * 4), float((a - 1 - b).abs().max())
+    for b, c in zip(want[:2], no_dlse[:2]):  # the LSE gradient moves dq and dk (dv = P^T dout does not see it)
+        assert not torch.allclose(b, c, atol=tol * 40)
