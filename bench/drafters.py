@@ -37,6 +37,18 @@ redraws its PNGs: the docs' numbers come from there.
     python bench/drafters.py --quick    # smoke test: fewer prompts, rounds and requests
     python bench/drafters.py --gpu      # GPU sizes (all engines on one GPU; DSpark served too)
     python bench/drafters.py --report bench/results/drafters.json   # docs tables + PNG from the JSON
+
+Training path before / after (issue 17), no vLLM: ``--train-paths`` times the drafter training step
+(forward, loss, backward, AdamW; one thread) of each family through the old path
+(``cotrain.draft.reference``: all-zero main queries and the dense oracle on buckets at CP = 1,
+losses on full (N, W, V) fp32 tensors) and the current one (kernel tiles, branch queries only,
+chunked on-device losses), on a random 2-layer target with a 32,768-token vocabulary; the two paths
+alternate step by step (order swapped every round), each round also measures each path's peak step
+memory (profiler allocation events above the level before the step). Reported: per-round paired
+ratios after / before (median [min, max]) and the attention pairs the forward computes.
+
+    python bench/drafters.py --train-paths                  # about 3 minutes on 2 busy cores
+    python bench/drafters.py --train-paths --report bench/results/drafters_paths.json   # table + PNGs
 """
 
 from __future__ import annotations
@@ -54,6 +66,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+PATHS_PNG = ROOT / "docs" / "img" / "drafters_paths.png"
 
 FAMILIES = {"eagle3": 4, "dflash": 6, "dspark": 7}  # kind -> draft tokens per step served
 WORKLOADS = ("task", "task_c8", "task_c1", "long", "long_c8", "long_c1")
@@ -220,6 +234,301 @@ def train_step_times(cfgs: dict, steps: int, warmup: int = 3) -> dict:
 
 
 # ----------------------------------------------------------------------------------- main
+# ------------------------------------------------------------------ training path: before / after (issue 17)
+# `--train-paths`: the drafter's training step through the old path (cotrain.draft.reference: all-zero
+# main queries and the dense oracle on buckets at CP = 1, losses in plain autograd on full (N, W, V)
+# fp32 tensors with host reads in every call) and through the current one (kernel tiles, branch
+# queries only, losses in chunks on the device), on a random target with a 32,768-token vocabulary.
+PATHS = ("before", "after")
+PATH_PRESETS = {"default": dict(rounds=5, seqs=8, seq_len=128, prompt=32),
+                "quick": dict(rounds=2, seqs=2, seq_len=48, prompt=16)}
+PATH_VOCAB, PATH_HIDDEN = 32_768, 256
+PATH_SETTINGS = {"eagle3": {"tap_layers": [0, 1], "ttt_steps": 3},
+                 "dflash": {"tap_layers": [0, 1], "block_size": 8, "anchors_per_seq": 8},
+                 "dspark": {"tap_layers": [0, 1], "block_size": 8, "anchors_per_seq": 8}}
+
+
+def path_workload(seqs: int, seq_len: int, prompt: int) -> dict:
+    """A random 2-layer Qwen3 target (hidden 256, 4 heads of 64, 2 K/V heads, V = 32,768), its taps and
+    logits on ``seqs`` random sequences of ``seq_len`` tokens, the first ``prompt`` of each a prompt."""
+    import tempfile
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from cotrain.draft.common import DraftBatch
+    from cotrain.draft.taps import TargetSpec, compute_taps
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=PATH_VOCAB, hidden_size=PATH_HIDDEN, intermediate_size=768, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, pad_token_id=0, eos_token_id=1,
+                      tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(cfg).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        target = TargetSpec.from_checkpoint(tmp, mask_token_id=3)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, PATH_VOCAB, (seqs * seq_len,), generator=g)
+    cu = torch.arange(0, seqs * seq_len + 1, seq_len)
+    taps, logits = compute_taps(model, ids, cu, [0, 1])
+    mask = (torch.arange(seq_len) >= prompt).repeat(seqs)
+    return {"target": target, "batch": DraftBatch(ids, cu, taps, mask, logits, torch.full((seqs,), prompt))}
+
+
+def attention_pairs(drafter, batch, layout, old: bool) -> int:
+    """Query-key pairs the forward's attention calls compute: the dense buckets' (tokens)^2 per call
+    (old), or the kernel tiles' (ring plan + block-diagonal branches) with or without main queries."""
+    from cotrain.draft import reference
+    from cotrain.draft.common import BranchAttention
+    from cotrain.parallel import default_kernel, ring_plan
+
+    total = []
+    call = BranchAttention.__call__
+
+    def count(self, q, *args, **kw):
+        lay = self.layout
+        if old:
+            total.append(sum((m1 - m0 + b1 - b0) ** 2 for _, m0, m1, b0, b1 in reference._buckets(lay, 128)))
+        else:
+            plan = ring_plan(lay, 0, "cpu", tile_cost_pairs=default_kernel("cpu").tile_cost_pairs,
+                             main_queries=q is not None)
+            total.append(sum(m.pairs_computed() for m in plan.ring_masks)
+                         + (plan.intra_blocks.pairs_computed() if plan.intra_blocks is not None else 0))
+        return call(self, q, *args, **kw)
+
+    BranchAttention.__call__ = count
+    try:
+        with torch.no_grad():
+            drafter(batch, layout)
+    finally:
+        BranchAttention.__call__ = call
+    return sum(total)
+
+
+class PathArm:
+    """One family's drafter and optimizer, stepped through the old or the current training path."""
+
+    def __init__(self, kind: str, work: dict, path: str) -> None:
+        from cotrain.draft.registry import build_drafter
+
+        self.drafter = build_drafter(kind, PATH_SETTINGS[kind], work["target"], seed=0)
+        self.loss = self.drafter.cfg.default_loss
+        self.batch, self.old = work["batch"], path == "before"
+        self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=1e-4)
+        self.layout = self.drafter.build_layout(self.batch, torch.Generator().manual_seed(1))
+        self.times, self.peaks, self.losses = [], [], []
+
+    def step(self) -> float:
+        import contextlib
+
+        from cotrain.draft import reference
+        from cotrain.draft.losses import draft_loss, target_dist, target_probs
+
+        b, d = self.batch, self.drafter
+        extra = {"l1_weight": 1.0, "confidence_weight": 1.0} if self.loss == "dspark_l1" else {}
+        t0 = time.perf_counter()
+        with reference.dense_attention() if self.old else contextlib.nullcontext():
+            out = d(b, self.layout)
+        labels = b.input_ids[(out.target_rows + 1).clamp(min=0, max=b.num_tokens - 1)]
+        if self.old:
+            loss, m = reference.draft_loss(self.loss, out, target_probs(b.target_logits, out), labels, **extra)
+        else:
+            loss, m = draft_loss(self.loss, out, target_dist(b.target_logits, out), labels, **extra)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        dt = time.perf_counter() - t0
+        self.losses.append(float(m["loss"]))
+        return dt
+
+    def peak_step_mib(self) -> float:
+        """Peak tensor memory one step allocates above the level before it (profiler allocation events)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            self.step()
+        events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+        cur = peak = 0
+        for _, nbytes in events:
+            cur += nbytes
+            peak = max(peak, cur)
+        return peak / 2**20
+
+
+def run_train_paths(a) -> dict:
+    """Rounds: every family, both paths (order alternating), one timed step and one profiled step each."""
+    p = PATH_PRESETS["quick" if a.quick else "default"]
+    rounds = a.rounds_given if a.rounds_given is not None else p["rounds"]
+    work = path_workload(p["seqs"], p["seq_len"], p["prompt"])
+    loads = [os.getloadavg()[0]]
+    out = {}
+    for kind in a.families:
+        arms = {path: PathArm(kind, work, path) for path in PATHS}
+        for arm in arms.values():  # untimed: Adam's state exists, caches warm
+            arm.step()
+        for r in range(rounds):
+            for path in (PATHS if r % 2 == 0 else PATHS[::-1]):
+                arms[path].times.append(1000 * arms[path].step())
+                arms[path].peaks.append(arms[path].peak_step_mib())
+            loads.append(os.getloadavg()[0])
+            print(f"[paths] {kind} round {r + 1}/{rounds}: " + ", ".join(
+                f"{x} {arms[x].times[-1]:.0f} ms {arms[x].peaks[-1]:.0f} MiB" for x in PATHS), flush=True)
+        bef, aft = arms["before"], arms["after"]
+        chains = aft.drafter(work["batch"], aft.layout).valid.shape
+        out[kind] = {
+            "loss": aft.loss, "chains": list(chains),
+            "step_ms": {x: spread(arms[x].times) for x in PATHS},
+            "peak_step_mib": {x: spread(arms[x].peaks) for x in PATHS},
+            "time_ratio": {**spread([n / o for n, o in zip(aft.times, bef.times)]),
+                           "per_round": [n / o for n, o in zip(aft.times, bef.times)]},
+            "peak_ratio": {**spread([n / o for n, o in zip(aft.peaks, bef.peaks)]),
+                           "per_round": [n / o for n, o in zip(aft.peaks, bef.peaks)]},
+            "attention_pairs_forward": {"before": attention_pairs(bef.drafter, work["batch"], bef.layout, True),
+                                        "after": attention_pairs(aft.drafter, work["batch"], aft.layout, False)},
+            "first_losses": {x: arms[x].losses[0] for x in PATHS},
+        }
+    flex = None if a.quick else flex_probe()
+    return {"command": "python bench/drafters.py --train-paths" + (" --quick" if a.quick else ""), "flex": flex,
+            "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "rounds": rounds, "vocab": PATH_VOCAB, "hidden": PATH_HIDDEN, "settings": PATH_SETTINGS,
+            "tokens": work["batch"].num_tokens, "sequences": p["seqs"], "seq_len": p["seq_len"], "prompt": p["prompt"],
+            "load_avg_1min": spread(loads), "families": out}
+
+
+def flex_probe() -> dict:
+    """torch's flex_attention as the CP = 1 training kernel, measured against the ring's tiles on the
+    trunk of 8 sequences of 256 tokens (H = 4, Hk = 2, D = 64, fp32, one thread): the document-causal
+    rule as a mask_mod; eager and compiled forward, whether a backward runs, the block mask's build."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from cotrain.parallel import cu_seqlens_from_lengths, eagle3_ttt_layout, local_branch_attention
+
+    lens, H, Hk, D = [256] * 8, 4, 2, 64
+    T = sum(lens)
+    lay = eagle3_ttt_layout(cu_seqlens_from_lengths(lens), 3).subset([])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(T, H, D, generator=g), torch.randn(T, Hk, D, generator=g), torch.randn(T, Hk, D, generator=g)
+    seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+
+    def ms(f, n=5):
+        f()
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            f()
+            ts.append(1000 * (time.perf_counter() - t0))
+        return statistics.median(ts)
+
+    def tiles(backward):
+        x = [t.clone().requires_grad_(backward) for t in (q, k, v)]
+        out, _, _, _ = local_branch_attention(*x, None, None, None, lay)
+        if backward:
+            out.sum().backward()
+
+    t0 = time.perf_counter()
+    bm = create_block_mask(lambda b, h, i, j: (seq[i] == seq[j]) & (j <= i), None, None, T, T, device="cpu")
+    mask_s = time.perf_counter() - t0
+    args = [t.transpose(0, 1)[None] for t in (q, k, v)]
+    res = {"tokens": T, "tiles_forward_ms": ms(lambda: tiles(False)), "tiles_forward_backward_ms": ms(lambda: tiles(True)),
+           "block_mask_s": mask_s}
+    import warnings
+
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        res["flex_eager_forward_ms"] = ms(lambda: flex_attention(*args, block_mask=bm, enable_gqa=True), 3)
+    res["flex_eager_warning"] = next((str(x.message).split("\n")[0] for x in w if "materializes" in str(x.message)), "")
+    try:
+        x = [t.clone().requires_grad_() for t in args]
+        flex_attention(*x, block_mask=bm, enable_gqa=True).sum().backward()
+        res["flex_backward"] = "runs"
+    except NotImplementedError as e:
+        res["flex_backward"] = str(e).split(".")[0]
+    compiled = torch.compile(flex_attention)
+    t0 = time.perf_counter()
+    compiled(*args, block_mask=bm, enable_gqa=True)
+    res["flex_compile_first_call_s"] = time.perf_counter() - t0
+    res["flex_compiled_forward_ms"] = ms(lambda: compiled(*args, block_mask=bm, enable_gqa=True), 3)
+    return res
+
+
+def paths_markdown(data: dict) -> str:
+    lines = [f"Measured with `{data['command']}` ({data['date']}, torch {data['torch']}, {data['threads']} thread; "
+             f"1-minute load average {data['load_avg_1min']['min']:.1f}-{data['load_avg_1min']['max']:.1f}): "
+             f"{data['sequences']} sequences of {data['seq_len']} tokens (prompt {data['prompt']}), vocabulary "
+             f"{data['vocab']:,}, hidden {data['hidden']}, {data['rounds']} interleaved rounds after 1 warm-up step.",
+             "",
+             "| family (loss, chains x drafts) | step ms, before | step ms, after | time after / before | "
+             "peak step MiB, before | after | peak after / before | attention pairs (fwd), before | after |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for kind, f in data["families"].items():
+        t, m, r, q = f["step_ms"], f["peak_step_mib"], f["time_ratio"], f["peak_ratio"]
+        pr = f["attention_pairs_forward"]
+        lines.append(
+            f"| {NAMES[kind]} ({f['loss']}, {f['chains'][0]:,} x {f['chains'][1]}) | "
+            f"{t['before']['median']:.0f} [{t['before']['min']:.0f}, {t['before']['max']:.0f}] | "
+            f"{t['after']['median']:.0f} [{t['after']['min']:.0f}, {t['after']['max']:.0f}] | "
+            f"{r['median']:.2f} [{r['min']:.2f}, {r['max']:.2f}] | {m['before']['median']:.0f} | "
+            f"{m['after']['median']:.0f} | {q['median']:.2f} [{q['min']:.2f}, {q['max']:.2f}] | "
+            f"{pr['before']:,} | {pr['after']:,} |")
+    fx = data.get("flex")
+    if fx:
+        lines += ["", f"CP = 1 kernel candidates on {fx['tokens']:,} trunk tokens (8 sequences of 256, H = 4, Hk = 2, "
+                  "D = 64, fp32, one thread; ms are medians):", "",
+                  "| kernel | forward ms | forward + backward ms | one-time cost |", "|---|---|---|---|",
+                  f"| ring tiles (`local_branch_attention`) | {fx['tiles_forward_ms']:.1f} | "
+                  f"{fx['tiles_forward_backward_ms']:.1f} | none |",
+                  f"| `flex_attention`, eager | {fx['flex_eager_forward_ms']:.1f} | {fx['flex_backward']} | "
+                  f"block mask {fx['block_mask_s']:.2f} s per layout |",
+                  f"| `flex_attention`, `torch.compile` | {fx['flex_compiled_forward_ms']:.1f} | {fx['flex_backward']} | "
+                  f"compile + first call {fx['flex_compile_first_call_s']:.1f} s, block mask {fx['block_mask_s']:.2f} s "
+                  "per layout |"]
+    return "\n".join(lines)
+
+
+def paths_plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = list(data["families"])
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for j, (key, label) in enumerate((("time_ratio", "step time"), ("peak_ratio", "peak step memory"))):
+        xs = [i + (j - 0.5) * 0.38 for i in range(len(kinds))]
+        r = [data["families"][k][key] for k in kinds]
+        ax.bar(xs, [v["median"] for v in r], 0.36, label=f"{label} (median, range)", alpha=0.8,
+               yerr=[[v["median"] - v["min"] for v in r], [v["max"] - v["median"] for v in r]], capsize=3)
+        for xi, v in zip(xs, r):
+            ax.plot([xi] * len(v["per_round"]), v["per_round"], ".", color="k", ms=3)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(kinds)), [NAMES[k] for k in kinds])
+    ax.set_ylabel("after / before (per round)")
+    ax.set_title(f"drafter training step, V={data['vocab']:,}, {data['tokens']:,} tokens (CPU, 1 thread)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def train_paths_main(a) -> int:
+    if a.report is not None:
+        data = json.loads(a.report.read_text())
+        print(paths_markdown(data))
+        for p in [a.report.with_suffix(".png")] + ([] if data["command"].endswith("--quick") else [PATHS_PNG]):
+            paths_plot(data, p)
+            print(f"wrote {p}")
+        return 0
+    torch.set_num_threads(1)
+    data = run_train_paths(a)
+    out = a.out if a.out_given else ROOT / "bench" / "results" / f"drafters_paths{'-quick' if a.quick else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1))
+    print(paths_markdown(data))
+    for p in [out.with_suffix(".png")] + ([] if a.quick else [PATHS_PNG]):
+        paths_plot(data, p)
+    print(f"wrote {out}")
+    return 0
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -243,14 +552,18 @@ def parse_args(argv=None):
                     help="another copy of the figure (default docs/img/drafters.png for full CPU runs)")
     ap.add_argument("--report", type=Path, default=None,
                     help="print the docs' markdown tables from this JSON, redraw its PNG(s), exit")
+    ap.add_argument("--train-paths", action="store_true",
+                    help="only the training step through the old and the current path (no vLLM; JSON "
+                         "bench/results/drafters_paths.json); with --report: that JSON's table")
     a = ap.parse_args(argv)
+    a.out_given, a.rounds_given = a.out is not None, a.rounds
     a.preset = "quick" if a.quick else "gpu" if a.gpu else "default"
     for k, v in PRESETS[a.preset].items():
         if getattr(a, k) is None:
             setattr(a, k, v)
     if a.out is None:
         a.out = ROOT / "bench" / "results" / f"drafters{'' if a.preset == 'default' else '-' + a.preset}.json"
-    if a.png is None and a.preset == "default" and a.report is None:
+    if a.png is None and a.preset == "default" and a.report is None and not a.train_paths:
         a.png = ROOT / "docs" / "img" / "drafters.png"
     return a
 
@@ -273,6 +586,8 @@ def build_engines(tiny: str, specs: dict, a) -> dict:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.train_paths:
+        return train_paths_main(a)
     if a.report is not None:
         data = json.loads(a.report.read_text())
         print(markdown(data))

@@ -137,6 +137,22 @@ def test_drafters_bench(tmp_path):
         assert f["greedy_output_identical"] and f["long_greedy_identical"]
 
 
+def test_drafters_train_paths_bench(tmp_path):
+    """The training-path comparison (issue 17): ratios recomputed from the per-round times and peaks,
+    both paths take the same first step (same drafter, batch and loss value: the paths are equal
+    in value), and the current path computes fewer attention pairs for every family."""
+    data = run_bench("drafters", tmp_path, "--train-paths")
+    assert set(data["families"]) == {"eagle3", "dflash", "dspark"} and data["vocab"] >= 32_768
+    for kind, f in data["families"].items():
+        for key, arm_key in (("time_ratio", "step_ms"), ("peak_ratio", "peak_step_mib")):
+            r = f[key]
+            assert len(r["per_round"]) == data["rounds"]
+            assert {k: r[k] for k in ("median", "min", "max")} == pytest.approx(_spread(r["per_round"]))
+            assert f[arm_key]["after"]["median"] > 0 and f[arm_key]["before"]["median"] > 0
+        assert f["first_losses"]["after"] == pytest.approx(f["first_losses"]["before"], rel=1e-5), kind
+        assert f["attention_pairs_forward"]["after"] < f["attention_pairs_forward"]["before"], kind
+
+
 def test_cotrain_e2e_bench(tmp_path):
     """Every arm's steps interleaved (by the recorded start/end times: no two steps overlap, step t of
     every arm ends before step t+1 of any begins, the order rotates), and every summary number
