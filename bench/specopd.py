@@ -38,9 +38,12 @@ each with its own AdamW; per repeat the same ``--tput-seqs`` training sequences 
                 logits: DFlash's context is the committed prefix, which later rounds only extend),
                 E2E-TV against the verification forwards' distributions, backward, AdamW.
 
-Both supervise exactly N x anchors_per_seq x W drafted positions per update (the same loss, the
+    draft_opd_long  the same baseline with longer rollouts: N x anchors_per_seq / ``--tput-long-rounds``
+                sequences (the first of the same ones), ``--tput-long-rounds`` rounds each.
+
+All arms supervise exactly N x anchors_per_seq x W drafted positions per update (the same loss, the
 same temperature 1; no EOS rule in this part, so that a drafted EOS does not drop positions from
-either count - the distillation data supervises the target's tail after EOS too). Arms alternate within each repeat (order swapped every repeat),
+either count - the distillation data supervises the target's tail after EOS too). The arms run back to back within each repeat (order rotated every repeat),
 after ``--tput-warmup`` untimed repeats; the JSON keeps every repeat's time and supervised-position
 count and the baseline's per-round phase times.
 
@@ -77,17 +80,20 @@ ARMS = {  # name -> (draft.branches, draft.loss)
     "offpolicy_ce": ("teacher_forced", "soft_ce"),
     "offpolicy_e2e_tv": ("teacher_forced", "e2e_tv"),
     "onpolicy_e2e_tv": ("on_policy", "e2e_tv"),
+    "onpolicy_e2e_tv_greedy": ("on_policy_greedy", "e2e_tv"),  # ablation: branches drafted greedily, as vLLM drafts
 }
+ON_POLICY = ("onpolicy_e2e_tv", "onpolicy_e2e_tv_greedy")
 ARM_NAMES = {"offpolicy_ce": "off-policy CE", "offpolicy_e2e_tv": "off-policy E2E-TV",
-             "onpolicy_e2e_tv": "on-policy E2E-TV (SpecOPD)"}
+             "onpolicy_e2e_tv": "on-policy E2E-TV (SpecOPD)",
+             "onpolicy_e2e_tv_greedy": "on-policy E2E-TV, greedy branches (ablation)"}
 PAPER = {"k": 7, "gain_vs_offpolicy_ce_pct": 6.96, "gain_vs_offpolicy_e2e_tv_pct": 15.71,
          "supervised_tokens_per_s_x": 16.09, "update_throughput_x": 4.95, "tokens_per_update_x": 3.25}
 KINDS = ("dflash", "dspark")
 PRESETS = {
-    "default": dict(seeds=[0, 1, 2, 3, 4], warm_steps=150, steps=300, batch_size=32, train_prompts=1000,
-                    eval_prompts=200, t1_samples=4, tput_seqs=32, tput_repeats=9, tput_warmup=1),
+    "default": dict(seeds=[0, 1, 2, 3, 4], warm_steps=300, steps=300, batch_size=32, train_prompts=1000,
+                    eval_prompts=200, t1_samples=4, tput_seqs=32, tput_repeats=9, tput_warmup=1, tput_long_rounds=16),
     "quick": dict(seeds=[0, 1], warm_steps=4, steps=4, batch_size=8, train_prompts=48, eval_prompts=24,
-                  t1_samples=2, tput_seqs=6, tput_repeats=2, tput_warmup=1),
+                  t1_samples=2, tput_seqs=6, tput_repeats=2, tput_warmup=1, tput_long_rounds=8),
 }
 
 
@@ -386,8 +392,13 @@ def train_arm(drafter, train, cfg, branches: str, loss: str, steps: int, seed: i
         seqs = torch.randint(0, train.num_seqs, (batch_size,), generator=order)
         h.update(seqs.numpy().tobytes())
         t0 = time.perf_counter()
-        m = train_step(drafter, select_sequences(train, seqs), loss, optimizer, opt_cfg.clip_grad,
-                       step_generator(seed, step), loss_extra(cfg), branches, model, eos_token_id)
+        batch, g = select_sequences(train, seqs), step_generator(seed, step)
+        if branches == "on_policy_greedy":  # SpecOPD's step with temperature-0 branches (not a distill option)
+            m = specopd_update(drafter, model, batch, optimizer, opt_cfg.clip_grad, g, eos_token_id, loss,
+                               temperature=0.0)
+        else:
+            m = train_step(drafter, batch, loss, optimizer, opt_cfg.clip_grad, g, loss_extra(cfg), branches, model,
+                           eos_token_id)
         times.append(time.perf_counter() - t0)
         losses.append(m["loss"])
     drafter.eval()
@@ -423,13 +434,15 @@ def llm_k(llm) -> int:
 
 
 # ------------------------------------------------------------------------------ part 2: throughput
-def specopd_update(drafter, model, batch, optimizer, clip: float, generator, eos_token_id, loss: str = "e2e_tv") -> dict:
+def specopd_update(drafter, model, batch, optimizer, clip: float, generator, eos_token_id, loss: str = "e2e_tv",
+                   temperature: float = 1.0) -> dict:
     """One SpecOPD update, as the distill command's ``train_step(branches="on_policy")`` runs it
     (specopd_step, backward, clip, AdamW), returning the branches' supervised-position counts."""
     from cotrain.draft.optim import clip_
     from cotrain.draft.specopd import specopd_step
 
-    value, metrics, br = specopd_step(drafter, model, batch, generator, loss=loss, eos_token_id=eos_token_id)
+    value, metrics, br = specopd_step(drafter, model, batch, generator, temperature=temperature, loss=loss,
+                                      eos_token_id=eos_token_id)
     optimizer.zero_grad(set_to_none=True)
     value.backward()
     clip_([q for q in drafter.parameters() if q.grad is not None], clip)
@@ -438,32 +451,51 @@ def specopd_update(drafter, model, batch, optimizer, clip: float, generator, eos
             "loss": float(value.detach())}
 
 
+TPUT_ARMS = ("specopd", "draft_opd", "draft_opd_long")
+
+
+def throughput_plan(seqs: int, anchors: int, long_rounds: int) -> dict:
+    """Sequences and rounds (anchors) per update of each arm: every arm supervises
+    seqs x anchors x W positions. draft_opd: the same sequences, one round per SpecOPD anchor;
+    draft_opd_long: fewer sequences, ``long_rounds`` rounds each (longer sequential rollouts)."""
+    if long_rounds < 1 or (seqs * anchors) % long_rounds:
+        raise ValueError(f"--tput-long-rounds {long_rounds}: must divide --tput-seqs x anchors_per_seq = "
+                         f"{seqs} x {anchors} = {seqs * anchors} so that every arm supervises the same positions")
+    return {"specopd": (seqs, anchors), "draft_opd": (seqs, anchors),
+            "draft_opd_long": (seqs * anchors // long_rounds, long_rounds)}
+
+
 def throughput(drafter0, model, train, records, cfg, a, eos_token_id) -> dict:
-    """SpecOPD's update vs Draft-OPD's, interleaved repeat by repeat (order swapped each repeat)."""
+    """SpecOPD's update vs Draft-OPD's, interleaved repeat by repeat (the arms' order rotated each
+    repeat). Every arm starts from ``drafter0`` with its own AdamW (at the schedule's final rate)."""
     from cotrain.draft.common import select_sequences
     from cotrain.draft.optim import make_optimizer, set_lr
 
     opt_cfg = cfg.draft.optimizer
-    arms = {name: copy.deepcopy(drafter0).train() for name in ("specopd", "draft_opd")}
+    A = int(drafter0.cfg.anchors_per_seq)
+    plan = throughput_plan(a.tput_seqs, A, a.tput_long_rounds)
+    arms = {name: copy.deepcopy(drafter0).train() for name in TPUT_ARMS}
     opts = {name: make_optimizer(d, opt_cfg) for name, d in arms.items()}
     for o in opts.values():
         set_lr(o, opt_cfg.min_lr)
-    R = int(drafter0.cfg.anchors_per_seq)
     W = drafter0.draft_width
     pick = torch.Generator().manual_seed(12345)
-    out = {"specopd": [], "draft_opd": [], "order": [], "loadavg": []}
+    out = {name: [] for name in TPUT_ARMS}
+    out.update(order=[], loadavg=[])
     for rep in range(-a.tput_warmup, a.tput_repeats):
         seqs = torch.randperm(train.num_seqs, generator=pick)[:a.tput_seqs]
-        order = ["specopd", "draft_opd"] if rep % 2 == 0 else ["draft_opd", "specopd"]
+        shift = rep % len(TPUT_ARMS)
+        order = list(TPUT_ARMS[shift:] + TPUT_ARMS[:shift])
         for name in order:
             d, g = arms[name], torch.Generator().manual_seed(777 + rep)
+            n, rounds = plan[name]
             t0 = time.perf_counter()
             if name == "specopd":
                 res = specopd_update(d, model, select_sequences(train, seqs), opts[name], opt_cfg.clip_grad, g,
                                      eos_token_id)
             else:
-                prompts = [records[int(s)].prompt for s in seqs]
-                res = draft_opd_step(d, model, prompts, R, opts[name], opt_cfg.clip_grad, 1.0, g, eos_token_id)
+                prompts = [records[int(s)].prompt for s in seqs[:n]]
+                res = draft_opd_step(d, model, prompts, rounds, opts[name], opt_cfg.clip_grad, 1.0, g, eos_token_id)
             res["seconds"] = time.perf_counter() - t0
             res["start"] = t0
             if rep >= 0:
@@ -471,8 +503,7 @@ def throughput(drafter0, model, train, records, cfg, a, eos_token_id) -> dict:
         if rep >= 0:
             out["order"].append(order)
             out["loadavg"].append(os.getloadavg()[0])
-    out["sequences"] = a.tput_seqs
-    out["rounds_or_anchors_per_seq"] = R
+    out["plan"] = {name: {"sequences": n, "rounds_or_anchors": r} for name, (n, r) in plan.items()}
     out["width"] = W
     return out
 
@@ -495,26 +526,30 @@ def summarize(data: dict) -> dict:
                             "per_seed": {s: vals[s]["acceptance_len"] for s in seeds},
                             "rounds": sum(vals[s]["rounds"] for s in seeds)}
         out["acceptance"][T] = per_arm
-        on = per_arm["onpolicy_e2e_tv"]
         gains = {}
-        for base in ("offpolicy_ce", "offpolicy_e2e_tv"):
-            b = per_arm[base]
-            paired = [100.0 * (on["per_seed"][s] / b["per_seed"][s] - 1.0) for s in seeds]
-            gains[base] = {"of_medians": 100.0 * (on["acceptance_len"]["median"] / b["acceptance_len"]["median"] - 1.0),
-                           "paired": spread(paired), "paired_per_seed": paired}
+        for arm in ON_POLICY:
+            if arm not in per_arm:
+                continue
+            on = per_arm[arm]
+            for base in ("offpolicy_ce", "offpolicy_e2e_tv"):
+                b = per_arm[base]
+                paired = [100.0 * (on["per_seed"][s] / b["per_seed"][s] - 1.0) for s in seeds]
+                gains.setdefault(arm, {})[base] = {
+                    "of_medians": 100.0 * (on["acceptance_len"]["median"] / b["acceptance_len"]["median"] - 1.0),
+                    "paired": spread(paired), "paired_per_seed": paired}
         out["gains_pct"][T] = gains
     tp = data["throughput"]
     per = {}
-    for arm in ("specopd", "draft_opd"):
+    for arm in TPUT_ARMS:
         per[arm] = [r["supervised"] / r["seconds"] for r in tp[arm]]
         out["throughput"][arm] = {"supervised_tokens_per_s": spread(per[arm]),
                                   "seconds": spread([r["seconds"] for r in tp[arm]]),
                                   "supervised": spread([r["supervised"] for r in tp[arm]])}
-    ratio = [s / d for s, d in zip(per["specopd"], per["draft_opd"])]
-    out["throughput"]["ratio"] = {**spread(ratio), "per_repeat": ratio}
-    dop = tp["draft_opd"]
-    out["throughput"]["draft_opd_phases_s"] = {ph: spread([r[ph] for r in dop])
-                                               for ph in ("prefill_s", "draft_s", "verify_s", "update_s")}
+        if arm != "specopd":
+            ratio = [x / y for x, y in zip(per["specopd"], per[arm])]
+            out["throughput"][arm]["ratio_specopd_over"] = {**spread(ratio), "per_repeat": ratio}
+            out["throughput"][arm]["phases_s"] = {ph: spread([r[ph] for r in tp[arm]])
+                                                  for ph in ("prefill_s", "draft_s", "verify_s", "update_s")}
     return out
 
 
@@ -541,13 +576,15 @@ def markdown(data: dict) -> str:
                      f"{_r(s['acceptance']['1'][arm]['acceptance_len'])} | {_r(off)} |")
     lines += ["", "Gain of on-policy E2E-TV in acceptance length (%): ratio of the medians, and per seed "
               "(same init, same batches) median [min, max].", "",
-              "| over | T = 0, of medians | T = 0, paired | T = 1, of medians | T = 1, paired | paper |",
-              "|---|---|---|---|---|---|"]
-    for base, paper in (("offpolicy_ce", PAPER["gain_vs_offpolicy_ce_pct"]),
-                        ("offpolicy_e2e_tv", PAPER["gain_vs_offpolicy_e2e_tv_pct"])):
-        g0, g1 = s["gains_pct"]["0"][base], s["gains_pct"]["1"][base]
-        lines.append(f"| {ARM_NAMES[base]} | {g0['of_medians']:+.1f} | {_r(g0['paired'], '{:+.1f}')} | "
-                     f"{g1['of_medians']:+.1f} | {_r(g1['paired'], '{:+.1f}')} | +{paper} |")
+              "| on-policy arm | over | T = 0, of medians | T = 0, paired | T = 1, of medians | T = 1, paired | paper |",
+              "|---|---|---|---|---|---|---|"]
+    for arm in s["gains_pct"]["0"]:
+        for base, paper in (("offpolicy_ce", PAPER["gain_vs_offpolicy_ce_pct"]),
+                            ("offpolicy_e2e_tv", PAPER["gain_vs_offpolicy_e2e_tv_pct"])):
+            g0, g1 = s["gains_pct"]["0"][arm][base], s["gains_pct"]["1"][arm][base]
+            lines.append(f"| {ARM_NAMES[arm]} | {ARM_NAMES[base]} | {g0['of_medians']:+.1f} | "
+                         f"{_r(g0['paired'], '{:+.1f}')} | {g1['of_medians']:+.1f} | {_r(g1['paired'], '{:+.1f}')} | "
+                         f"+{paper} |")
     for T in TEMPS:
         lines += ["", f"Prefix survival at T = {T} (vLLM, fraction of verification rounds whose first j drafts were "
                   "all accepted; median over seeds):", "",
@@ -559,20 +596,28 @@ def markdown(data: dict) -> str:
             lines.append(f"| {label} | " + " | ".join(f"{x['median']:.3f}" for x in sv) + " |")
     t = s["throughput"]
     tp = data["throughput"]
-    ph = t["draft_opd_phases_s"]
-    lines += ["", f"Supervised tokens per second ({tp['sequences']} sequences x {tp['rounds_or_anchors_per_seq']} "
-              f"anchors / rounds x {tp['width']} drafts per update; {len(t['ratio']['per_repeat'])} interleaved "
-              "repeats, median [min, max]):", "",
-              "| arm | supervised positions per update | seconds per update | supervised tokens / s |", "|---|---|---|---|",
-              f"| SpecOPD (parallel) | {t['specopd']['supervised']['median']:.0f} | {_r(t['specopd']['seconds'])} | "
-              f"{_r(t['specopd']['supervised_tokens_per_s'], '{:.0f}')} |",
-              f"| Draft-OPD (sequential) | {t['draft_opd']['supervised']['median']:.0f} | "
-              f"{_r(t['draft_opd']['seconds'])} | {_r(t['draft_opd']['supervised_tokens_per_s'], '{:.0f}')} |",
-              f"| **ratio SpecOPD / Draft-OPD** (per repeat) | | | **{_r(t['ratio'], '{:.2f}')}x** (paper: "
-              f"{PAPER['supervised_tokens_per_s_x']}x) |", "",
-              f"Draft-OPD's update, median seconds: prefill {ph['prefill_s']['median']:.3f}, drafting "
-              f"{ph['draft_s']['median']:.3f}, verification {ph['verify_s']['median']:.3f} (all rounds), re-score + "
-              f"loss + backward + AdamW {ph['update_s']['median']:.3f}."]
+    W = tp["width"]
+    pl = tp["plan"]
+    lines += ["", f"Supervised tokens per second: every arm supervises {pl['specopd']['sequences']} x "
+              f"{pl['specopd']['rounds_or_anchors']} x {W} drafted positions per update; "
+              f"{len(tp['specopd'])} interleaved repeats (order rotated), median [min, max]:", "",
+              "| arm | sequences x anchors or rounds | seconds per update | supervised tokens / s | SpecOPD / arm (per repeat) |",
+              "|---|---|---|---|---|"]
+    names = {"specopd": "SpecOPD (parallel: anchors on the reference)",
+             "draft_opd": "Draft-OPD (sequential rounds), same sequences",
+             "draft_opd_long": "Draft-OPD, longer rollouts"}
+    for arm in TPUT_ARMS:
+        r = t[arm].get("ratio_specopd_over")
+        lines.append(f"| {names[arm]} | {pl[arm]['sequences']} x {pl[arm]['rounds_or_anchors']} | {_r(t[arm]['seconds'])} | "
+                     f"{_r(t[arm]['supervised_tokens_per_s'], '{:.0f}')} | "
+                     + (f"**{_r(r, '{:.2f}')}x**" if r else "-") + " |")
+    lines += ["", f"Paper: {PAPER['supervised_tokens_per_s_x']}x (= {PAPER['update_throughput_x']}x update throughput x "
+              f"{PAPER['tokens_per_update_x']}x supervised tokens per update; 27B target, 8 GPUs).", "",
+              "Draft-OPD's update, median seconds: " + "; ".join(
+                  f"{names[arm].split(',')[-1].strip()}: prefill {t[arm]['phases_s']['prefill_s']['median']:.3f}, drafting "
+                  f"{t[arm]['phases_s']['draft_s']['median']:.3f}, verification {t[arm]['phases_s']['verify_s']['median']:.3f} "
+                  f"(all rounds), re-score + loss + backward + AdamW {t[arm]['phases_s']['update_s']['median']:.3f}"
+                  for arm in TPUT_ARMS[1:]) + "."]
     return "\n".join(lines)
 
 
@@ -585,8 +630,8 @@ def plot(data: dict, path: Path):
     c, s = data["config"], data["summary"]
     k = c["k"]
     arms = ["init"] + list(ARMS)
-    labels = ["warm start", "off-pol. CE", "off-pol. E2E-TV", "on-pol. E2E-TV"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    labels = ["warm start", "off-policy\nCE", "off-policy\nE2E-TV", "on-policy\nE2E-TV", "on-policy\nE2E-TV greedy"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     ax = axes[0]
     for ti, T in enumerate(TEMPS):
         xs = [i + (ti - 0.5) * 0.38 for i in range(len(arms))]
@@ -600,28 +645,35 @@ def plot(data: dict, path: Path):
     lo = min(s["acceptance"][T][a]["acceptance_len"]["min"] for T in TEMPS for a in arms)
     ax.set_ylim(max(1.0, lo - 0.2), None)
     ax.set_ylabel(f"acceptance length in vLLM (k = {k})")
-    ax.set_title("same budget, three objectives (dots: seeds)")
+    ax.set_title("same budget per objective (dots: seeds)")
     ax.legend(fontsize=8)
     ax = axes[1]
     for i, a in enumerate(arms):
         for T, style in (("0", "-"), ("1", "--")):
             sv = s["acceptance"][T][a]["survival"]
             ax.plot(range(1, k + 1), [x["median"] for x in sv], style, marker="o", ms=3, color=f"C{i}",
-                    label=f"{labels[i]}, T={T}")
+                    label=f"{labels[i]}, T={T}".replace("\n", " "))
     ax.set_xlabel("draft position j")
     ax.set_ylabel("prefix survival (first j drafts accepted)")
     ax.set_title("per-position prefix survival (vLLM, median over seeds)")
     ax.legend(fontsize=7, ncol=2)
     ax = axes[2]
     t = s["throughput"]
-    for i, arm in enumerate(("specopd", "draft_opd")):
+    pl = data["throughput"]["plan"]
+    for i, arm in enumerate(TPUT_ARMS):
         per = [r["supervised"] / r["seconds"] for r in data["throughput"][arm]]
         ax.plot([i] * len(per), per, ".", color="k", ms=4)
         ax.bar(i, t[arm]["supervised_tokens_per_s"]["median"], 0.6, alpha=0.75, color=f"C{i + 4}")
-    ax.set_xticks([0, 1], ["SpecOPD (parallel)", "Draft-OPD (sequential)"])
-    ax.set_ylabel("supervised tokens / s")
-    ax.set_title(f"update throughput: {t['ratio']['median']:.2f}x [{t['ratio']['min']:.2f}, {t['ratio']['max']:.2f}] "
-                 f"(paper {PAPER['supervised_tokens_per_s_x']}x)")
+        r = t[arm].get("ratio_specopd_over")
+        if r:
+            ax.text(i, t[arm]["supervised_tokens_per_s"]["median"], f"SpecOPD {r['median']:.2f}x\n[{r['min']:.2f}, "
+                    f"{r['max']:.2f}]", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(TPUT_ARMS)), [f"SpecOPD\n{pl['specopd']['sequences']} seqs x {pl['specopd']['rounds_or_anchors']} anchors",
+                                          f"Draft-OPD\n{pl['draft_opd']['sequences']} seqs x {pl['draft_opd']['rounds_or_anchors']} rounds",
+                                          f"Draft-OPD\n{pl['draft_opd_long']['sequences']} seqs x "
+                                          f"{pl['draft_opd_long']['rounds_or_anchors']} rounds"], fontsize=8)
+    ax.set_ylabel("supervised tokens / s (dots: repeats)")
+    ax.set_title(f"same supervised positions / update (paper {PAPER['supervised_tokens_per_s_x']}x)")
     fig.suptitle(f"SpecOPD on the tiny target, {c['kind']} k={k}, CPU ({c['cpu_count']} cores)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -647,6 +699,8 @@ def parse_args(argv=None):
     ap.add_argument("--tput-seqs", type=int, default=None, help="sequences per throughput update")
     ap.add_argument("--tput-repeats", type=int, default=None)
     ap.add_argument("--tput-warmup", type=int, default=None)
+    ap.add_argument("--tput-long-rounds", type=int, default=None,
+                    help="rounds per sequence of the long Draft-OPD arm (divides tput-seqs x anchors_per_seq)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--png", type=Path, default=None)
     ap.add_argument("--report", type=Path, default=None, help="print the markdown tables from this JSON, redraw its PNG")
@@ -656,7 +710,7 @@ def parse_args(argv=None):
         if getattr(a, key) is None:
             setattr(a, key, v)
     for key in ("warm_steps", "steps", "batch_size", "train_prompts", "eval_prompts", "t1_samples", "tput_seqs",
-                "tput_repeats", "tput_warmup"):
+                "tput_repeats", "tput_warmup", "tput_long_rounds"):
         v = getattr(a, key)
         if v < (0 if key in ("warm_steps", "tput_warmup") else 1):
             ap.error(f"--{key.replace('_', '-')} {v}: must be >= {0 if key in ('warm_steps', 'tput_warmup') else 1}")
@@ -683,6 +737,7 @@ def main(argv=None) -> int:
     cfg = load_distill_config(ROOT / "configs" / f"distill_{a.kind}.yaml") if a.kind in KINDS else None
     try:
         block, k = resolve_block(a.kind, a.k, a.block_size, cfg.data.tail_tokens if cfg else None)
+        throughput_plan(a.tput_seqs, int(cfg.draft.settings.anchors_per_seq), a.tput_long_rounds)
     except ValueError as e:
         print(f"bench/specopd.py: {e}", file=sys.stderr)
         return 2

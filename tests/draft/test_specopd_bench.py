@@ -43,6 +43,8 @@ def test_block_and_k_choices_are_validated():
 def test_cli_refuses_a_block_that_cannot_draft_k(capsys):
     assert bench.main(["--quick", "--k", "7", "--block-size", "7"]) == 2  # before any model is loaded
     assert "drafts at most 6" in capsys.readouterr().err
+    assert bench.main(["--quick", "--tput-long-rounds", "5"]) == 2  # 6 x 4 positions are not 5 rounds each
+    assert "must divide" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--seeds", "1", "1"])
 
@@ -205,7 +207,8 @@ def test_quick_bench_acceptance_recomputed_from_vllm_rounds(quick, hf_target):
     c, s = data["config"], data["summary"]
     k, seeds = c["k"], [str(x) for x in c["seeds"]]
     assert (k, c["block_size"], c["kind"]) == (7, 8, "dflash") and len(seeds) >= 2
-    arms = ["init", "offpolicy_ce", "offpolicy_e2e_tv", "onpolicy_e2e_tv"]
+    arms = list(data["acceptance"]["0"])
+    assert arms == ["init", "offpolicy_ce", "offpolicy_e2e_tv", "onpolicy_e2e_tv", "onpolicy_e2e_tv_greedy"]
     n_prompts = c["eval_prompts"]
     for T, per_prompt in (("0", 1), ("1", c["t1_samples"])):
         for arm in arms:
@@ -231,13 +234,15 @@ def test_quick_bench_acceptance_recomputed_from_vllm_rounds(quick, hf_target):
                             / sum(len(req) for req in data["acceptance"][T][arm][sd]["per_request_rounds"])
                             for sd in seeds]
                 assert s["acceptance"][T][arm]["survival"][j]["median"] == pytest.approx(statistics.median(per_seed))
-        on = s["acceptance"][T]["onpolicy_e2e_tv"]["per_seed"]
-        for base in ("offpolicy_ce", "offpolicy_e2e_tv"):
-            b = s["acceptance"][T][base]["per_seed"]
-            paired = [100 * (on[sd] / b[sd] - 1) for sd in seeds]
-            g = s["gains_pct"][T][base]
-            assert (g["paired"]["median"], g["paired"]["min"], g["paired"]["max"]) == pytest.approx(_spread(paired))
-            assert g["of_medians"] == pytest.approx(100 * (statistics.median(on.values()) / statistics.median(b.values()) - 1))
+        for arm in ("onpolicy_e2e_tv", "onpolicy_e2e_tv_greedy"):
+            on = s["acceptance"][T][arm]["per_seed"]
+            for base in ("offpolicy_ce", "offpolicy_e2e_tv"):
+                b = s["acceptance"][T][base]["per_seed"]
+                paired = [100 * (on[sd] / b[sd] - 1) for sd in seeds]
+                g = s["gains_pct"][T][arm][base]
+                assert (g["paired"]["median"], g["paired"]["min"], g["paired"]["max"]) == pytest.approx(_spread(paired))
+                assert g["of_medians"] == pytest.approx(
+                    100 * (statistics.median(on.values()) / statistics.median(b.values()) - 1))
     # greedy serving is lossless for every drafter: the target's own greedy responses (HF, computed here)
     from cotrain.draft.distill import generate_records, load_distill_config, load_prompts
 
@@ -262,7 +267,7 @@ def test_quick_bench_same_budget_for_the_three_objectives(quick):
         assert {tr[a]["steps"] for a in arms} == {c["steps"]}
         assert len({tr[a]["batches_sha"] for a in arms}) == 1  # the same sequences at every step
         assert {tr[a]["start_sha"] for a in arms} == {tr["init_sha"]}  # the same init (the warm start)
-        assert len({tr[a]["final_sha"] for a in arms}) == 3  # and three different results
+        assert len({tr[a]["final_sha"] for a in arms}) == len(arms)  # and different results
         assert tr["warm"]["final_sha"] == tr["init_sha"] and tr["warm"]["start_sha"] == tr["random_init_sha"]
     # seeds differ: init and batches
     assert len({data["training"][sd]["init_sha"] for sd in seeds}) == len(seeds)
@@ -273,25 +278,30 @@ def test_quick_bench_throughput_recomputed_and_interleaved(quick):
     data, _ = quick
     tp, t = data["throughput"], data["summary"]["throughput"]
     c = data["config"]
-    n = c["tput_seqs"] * c["anchors_per_seq"] * c["k"]  # the same supervised positions in both arms
-    spec, seq = tp["specopd"], tp["draft_opd"]
-    assert len(spec) == len(seq) == c["tput_repeats"]
-    for r in spec + seq:
-        assert r["supervised"] == r["nominal"] == n
-    for r in seq:  # Draft-OPD's raw rounds: N x R rounds per update, each accepting 0..W drafts
-        assert len(r["accepted"]) == c["tput_seqs"] * c["anchors_per_seq"]
-        assert all(0 <= m <= c["k"] for m in r["accepted"])
-        assert r["prefill_s"] + r["draft_s"] + r["verify_s"] <= r["seconds"]
-    ratio = [(a["supervised"] / a["seconds"]) / (b["supervised"] / b["seconds"]) for a, b in zip(spec, seq)]
-    assert (t["ratio"]["median"], t["ratio"]["min"], t["ratio"]["max"]) == pytest.approx(_spread(ratio))
+    n = c["tput_seqs"] * c["anchors_per_seq"] * c["k"]  # the same supervised positions in every arm
+    arms = ["specopd", "draft_opd", "draft_opd_long"]
+    assert tp["plan"]["draft_opd_long"] == {"sequences": c["tput_seqs"] * c["anchors_per_seq"] // c["tput_long_rounds"],
+                                            "rounds_or_anchors": c["tput_long_rounds"]}
+    for arm in arms:
+        assert len(tp[arm]) == c["tput_repeats"]
+        for r in tp[arm]:
+            assert r["supervised"] == r["nominal"] == n
+    for arm in arms[1:]:  # Draft-OPD's raw rounds: sequences x rounds per update, each accepting 0..W drafts
+        plan = tp["plan"][arm]
+        for r in tp[arm]:
+            assert len(r["accepted"]) == plan["sequences"] * plan["rounds_or_anchors"]
+            assert all(0 <= m <= c["k"] for m in r["accepted"])
+            assert r["prefill_s"] + r["draft_s"] + r["verify_s"] <= r["seconds"]
+        ratio = [(x["supervised"] / x["seconds"]) / (y["supervised"] / y["seconds"]) for x, y in zip(tp["specopd"], tp[arm])]
+        got = t[arm]["ratio_specopd_over"]
+        assert (got["median"], got["min"], got["max"]) == pytest.approx(_spread(ratio))
     assert t["specopd"]["supervised_tokens_per_s"]["median"] == pytest.approx(
-        statistics.median([a["supervised"] / a["seconds"] for a in spec]))
-    # interleaved: within each repeat both arms ran back to back, the order swapped every repeat, and
-    # no arm ran two repeats in a row before the other
-    events = sorted([(r["start"], "specopd", i) for i, r in enumerate(spec)] + [(r["start"], "draft_opd", i) for i, r in
-                                                                              enumerate(seq)])
-    for rep in range(len(spec)):
-        pair = events[2 * rep:2 * rep + 2]
-        assert {e[2] for e in pair} == {rep} and [e[1] for e in pair] == tp["order"][rep]
+        statistics.median([a["supervised"] / a["seconds"] for a in tp["specopd"]]))
+    # interleaved: within each repeat the arms ran back to back, the order rotated every repeat
+    events = sorted((r["start"], arm, i) for arm in arms for i, r in enumerate(tp[arm]))
+    for rep in range(c["tput_repeats"]):
+        group = events[3 * rep:3 * rep + 3]
+        assert {e[2] for e in group} == {rep} and [e[1] for e in group] == tp["order"][rep]
         if rep:
-            assert tp["order"][rep] == tp["order"][rep - 1][::-1]
+            prev = tp["order"][rep - 1]
+            assert tp["order"][rep] == prev[1:] + prev[:1]
