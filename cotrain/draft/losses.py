@@ -66,8 +66,10 @@ import torch.nn.functional as F
 from cotrain.draft.common import DraftOutput
 
 LOSSES = ("soft_ce", "forward_kl", "hard_ce", "dspark_l1", "e2e_tv")
-#: elements (positions x vocabulary) of one chunk's fp32 temporaries: 2^20 = 4 MiB each (32 positions at 32k)
-CHUNK_ELEMENTS = 1 << 20
+#: elements (positions x vocabulary) of one chunk's fp32 temporaries, by device type: on CPU 2^20
+#: (4 MiB each, 32 positions at 32k: per-chunk dispatch is negligible next to the work); on a GPU
+#: 2^25 (128 MiB each: a chunk of one chain per kernel launch would make the loss launch-bound)
+CHUNK_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 25}
 
 # per-position statistics (the columns of _PositionStats' output)
 CE, PLOGP, L1, OV, NLL, MATCH, INVOCAB = range(7)
@@ -210,10 +212,11 @@ def _jacobian_(out: torch.Tensor, k: int, q, p, p_acc, y) -> None:
 
 
 def position_stats(logits: torch.Tensor, p: Union[torch.Tensor, TargetDist], need, labels=None, vocab=None,
-                   chunk_elements: int = CHUNK_ELEMENTS, grads=None) -> torch.Tensor:
+                   chunk_elements: Optional[int] = None, grads=None) -> torch.Tensor:
     """(N, W, 7) statistics of the columns ``need`` (the module's constants) for logits (N, W, Vd)
     against target ``p`` ((N, W, V) probabilities or a TargetDist), in chunks of about
-    ``chunk_elements`` / (W V) chains; differentiable in the columns ``grads`` (default: the
+    ``chunk_elements`` / (W V) chains (default: CHUNK_ELEMENTS of the logits' device type);
+    differentiable in the columns ``grads`` (default: the
     differentiable ones of ``need``)."""
     target = TargetDist.of(p)
     N, W, Vd = logits.shape
@@ -221,6 +224,8 @@ def position_stats(logits: torch.Tensor, p: Union[torch.Tensor, TargetDist], nee
         raise ValueError(f"target distributions {tuple(target.shape)} do not match the chains {tuple(logits.shape)}")
     if labels is None:
         labels = torch.full((N, W), -1, dtype=torch.int64, device=logits.device)
+    if chunk_elements is None:
+        chunk_elements = CHUNK_ELEMENTS.get(logits.device.type, CHUNK_ELEMENTS["cuda"])
     chunk = max(1, chunk_elements // (W * max(target.shape[2], Vd)))
     need = frozenset(need)
     grads = need & frozenset(_DIFFERENTIABLE) if grads is None else frozenset(grads)
@@ -299,7 +304,7 @@ def e2e_tv(logits: torch.Tensor, p, valid: torch.Tensor, loss_weight: Optional[t
 
 def draft_loss(name: str, out: DraftOutput, p, labels: Optional[torch.Tensor] = None, l1_weight: float = 1.0,
                confidence_weight: float = 1.0, vocab=None,
-               chunk_elements: int = CHUNK_ELEMENTS) -> tuple[torch.Tensor, dict]:
+               chunk_elements: Optional[int] = None) -> tuple[torch.Tensor, dict]:
     """The loss ``name`` (one of LOSSES) on chains ``out`` against the target distributions ``p``:
     (N, W, V) probabilities or a :class:`TargetDist` (:func:`target_dist`: gathered from the target
     logits chunk by chunk), detached here. ``labels`` (N, W): the tokens for hard_ce. ``vocab``: the
