@@ -645,7 +645,9 @@ class DraftConfig(StrictModel):
     """Where the supervised draft tokens come from: teacher_forced = chains on the reference
     (rollout / distillation) tokens; on_policy = SpecOPD branches the drafter samples itself from
     random anchors, scored by the target in one tree-masked forward (cotrain.draft.specopd; dflash
-    and dspark, offline distillation only so far)."""
+    and dspark). In co-training the policy itself scores them, attending to the stem keys/values of
+    the log-prob recomputation (docs/cotrain.md); policy.parallel pipeline, context and tensor = 1
+    so far."""
     optimizer: OptimizerConfig = Field(default_factory=lambda: OptimizerConfig(lr=1e-4))
     """Drafter optimizer (its own AdamW, LR schedule over grpo.num_steps and gradient clipping,
     outside the policy's)."""

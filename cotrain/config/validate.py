@@ -460,6 +460,28 @@ def check_batch_size_schedule(spec) -> list[Issue]:
     return []
 
 
+def _check_on_policy(cfg: CotrainConfig) -> list[Issue]:
+    """draft.branches: on_policy in co-training (SpecOPD in the GRPO step, docs/cotrain.md): block
+    drafters, and the layouts whose tree forward is built and tested (PP = CP = TP = 1, any DP)."""
+    d, par = cfg.draft, cfg.policy.parallel
+    if not d.cotrain:
+        return [("draft.branches", "on_policy is used only when co-training (draft.cotrain=false: the engines "
+                 "serve rollout.speculative.draft_model as it is)")]
+    if d.kind not in ("dflash", "dspark"):
+        return [("draft.branches", f"on_policy needs a block drafter (allowed kinds: dflash, dspark), not "
+                 f"{d.kind}: EAGLE-3's train-time-test passes read the reference tokens (cotrain.draft.specopd)")]
+    why = ("the policy's tree forward over the branch tokens runs on one pipeline stage, one CP rank and one "
+           "TP rank so far (allowed: 1)")
+    issues = [(f"policy.parallel.{key}", f"draft.branches: on_policy is not available with "
+               f"policy.parallel.{key} > 1 yet: {why}") for key in ("pipeline", "context", "tensor")
+              if getattr(par, key) > 1]
+    if cfg.policy.context_parallel_impl == "megatron_te":
+        issues.append(("policy.context_parallel_impl", "draft.branches: on_policy replaces the policy's "
+                       "core_attention for its tree forward with cotrain's branch attention; not with "
+                       "transformer-engine's attention (allowed: cotrain)"))
+    return issues
+
+
 def check_draft(cfg: CotrainConfig, arch: ModelArch | None) -> list[Issue]:
     """The active drafter kind: its loss, its settings against the target, its weights."""
     issues: list[Issue] = []
@@ -471,8 +493,7 @@ def check_draft(cfg: CotrainConfig, arch: ModelArch | None) -> list[Issue]:
         issues.append(("draft.loss", f"{d.loss} is not available for draft.kind={d.kind} (allowed: "
                        f"{', '.join(d.record.losses)})"))
     if d.branches == "on_policy":
-        issues.append(("draft.branches", "on_policy is not yet available in online co-training (allowed: "
-                       "teacher_forced; on_policy runs in the offline distillation, python -m cotrain.draft.distill)"))
+        issues += _check_on_policy(cfg)
     if arch is not None:
         issues += [(f"draft.{d.kind}.{path}", msg) for path, msg in kind.check(arch.num_hidden_layers)]
         if arch.vocab_size is not None:

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -122,6 +122,12 @@ def anchor_seed(seed: int, step: int, seq_id: int) -> int:
     return ((int(seed) * 1_000_003 + int(step)) * 1_000_033 + int(seq_id)) % (2**63 - 1)
 
 
+def branch_seed(seed: int, step: int, seq_id: int) -> int:
+    """The seed of a microbatch's on-policy branch draws (``draft.branches: on_policy``): a fixed mix
+    of the run seed, the step and the microbatch's first row, distinct from that row's anchor seed."""
+    return (anchor_seed(seed, step, seq_id) * 1_000_037 + 17) % (2**63 - 1)
+
+
 def sample_block_anchors(drafter: BlockDrafter, batch: DraftBatch, seeds: list[int], per_seq: int) -> torch.Tensor:
     """Up to ``per_seq`` anchors per sequence among the drafter's candidates, sequence s drawn with a
     generator seeded ``seeds[s]`` (sorted packed positions)."""
@@ -147,10 +153,18 @@ class OnlineDraftTrainer:
     """
 
     def __init__(self, drafter: Drafter, draft_cfg, total_steps: int, seed: int = 0, *, cp_size: int = 1,
-                 cp_group=None, reduce_group=None, k: Optional[int] = None):
+                 cp_group=None, reduce_group=None, k: Optional[int] = None, eos_token_id: Optional[int] = None):
         self.drafter = drafter
         self.cfg = draft_cfg
         self.loss_name = draft_cfg.loss or draft_cfg.settings.default_loss
+        self.branches = getattr(draft_cfg, "branches", "teacher_forced")
+        self.eos_token_id = eos_token_id
+        if self.branches == "on_policy":
+            if not isinstance(drafter, BlockDrafter):
+                raise NotImplementedError(f"draft.branches: on_policy needs a block drafter (dflash, dspark), not "
+                                          f"{drafter.kind}")
+            if cp_size > 1:
+                raise NotImplementedError("draft.branches: on_policy is not available with context parallelism yet")
         self.loss_extra = {n: float(getattr(draft_cfg.settings, n)) for n in ("l1_weight", "confidence_weight")
                            if hasattr(draft_cfg.settings, n)}
         self.total_steps = int(total_steps)
@@ -184,7 +198,8 @@ class OnlineDraftTrainer:
         self.drafter.train()
         self.optimizer.zero_grad(set_to_none=True)
         self._stats = dict.fromkeys(("loss_sum", "weight", "overlap_sum", "top1_sum", "positions", "accept_sum",
-                                     "chains", "microbatches"), 0.0)
+                                     "chains", "microbatches", "branch_tokens"), 0.0)
+        self._timers = {"tree_s": 0.0, "eval_s": 0.0}  # this rank's seconds (not reduced)
         if self.vocab_counts is not None:
             self._step_counts = torch.zeros_like(self.vocab_counts)
         self._seconds = 0.0
@@ -201,14 +216,25 @@ class OnlineDraftTrainer:
             return self.drafter.build_layout(batch, cp_size=self.cp_size, anchors=anchors)
         return self.drafter.build_layout(batch, cp_size=self.cp_size)
 
-    def microbatch(self, rows: RolloutRows, taps: torch.Tensor, logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    def microbatch(self, rows: RolloutRows, taps: torch.Tensor, logits: torch.Tensor,
+                   scorer: Optional[Callable] = None) -> dict[str, torch.Tensor]:
         """Forward and backward of the drafter on one microbatch (gradients accumulate). Returns the
-        loss's metrics as device tensors: nothing is read back to the host before end_step."""
+        loss's metrics as device tensors: nothing is read back to the host before end_step.
+
+        ``draft.branches: on_policy``: ``scorer(layout, tokens, positions)`` returns the policy's
+        logits (tempered and filtered like ``logits``) at the branch tokens of the tree ``layout``
+        (see :meth:`_on_policy`)."""
         if self._step is None:
             raise RuntimeError("call begin_step before microbatch")
         t0 = time.perf_counter()
         batch, local_logits = to_draft_batch(rows, taps, logits, self.cp_size)
         layout = self._layout_for(batch, rows.seq_ids, self._step)
+        if self.branches == "on_policy":
+            if scorer is None:
+                raise ValueError("draft.branches: on_policy needs the policy's tree scorer for every microbatch")
+            m = self._on_policy(rows, batch, local_logits, layout, scorer)
+            self._seconds += time.perf_counter() - t0
+            return m
         with torch.enable_grad():
             out = self.drafter(batch, layout, group=self.cp_group if self.cp_size > 1 else None)
             if self.cp_size > 1:  # the rows this rank's chains need, fetched from their owners
@@ -247,6 +273,59 @@ class OnlineDraftTrainer:
         self._seconds += time.perf_counter() - t0
         return m
 
+    def _on_policy(self, rows: RolloutRows, batch: DraftBatch, local_logits: torch.Tensor, layout,
+                   scorer: Callable) -> dict[str, torch.Tensor]:
+        """SpecOPD on one microbatch (CP = 1): the drafter samples a branch at every anchor of
+        ``layout`` (one call, generator seeded by :func:`branch_seed`), the policy scores branch tokens
+        y_1..y_{W-1} in one tree forward (``scorer``), p_1 is the anchor's own row of
+        ``local_logits``; the loss (``draft.loss``, E2E-TV for SpecOPD) on the branch positions with the
+        tokens and p fixed. The statistics: loss, overlap and top-1 agreement on the branch positions;
+        ``acceptance_offline`` as in teacher forcing (the drafter's teacher-forced chains at the same
+        anchors, no grad), so that it compares across ``draft.branches``."""
+        from cotrain.draft import specopd
+
+        st = self._stats
+        nb = int(layout.anchors.numel())
+        st["microbatches"] += 1
+        if nb == 0:  # nothing to supervise in these rows
+            return {}
+        g = torch.Generator().manual_seed(branch_seed(self.seed, self._step, int(rows.seq_ids[0])))
+        with torch.enable_grad():
+            br = specopd.sample_branches(self.drafter, batch, layout, g, temperature=1.0,
+                                         eos_token_id=self.eos_token_id)
+            W, V = br.width, local_logits.shape[-1]
+            tl = specopd.target_layout(layout, W)
+            branch_logits = local_logits.new_zeros(0, V)
+            if tl is not None:
+                t1 = time.perf_counter()
+                seq = batch.seq_of[br.anchors]
+                pos = (br.anchors - batch.cu_seqlens[seq])[:, None] + 1 + torch.arange(W - 1)[None]
+                with torch.no_grad():
+                    branch_logits = scorer(tl, br.tokens[:, : W - 1].reshape(-1), pos.reshape(-1)).float()
+                self._timers["tree_s"] += time.perf_counter() - t1
+                st["branch_tokens"] += float(branch_logits.shape[0])
+            scores = specopd.TreeScores(stem_logits=local_logits, stem_index=torch.arange(local_logits.shape[0]),
+                                        branch_logits=branch_logits, layout=tl)
+            p = specopd.branch_target_probs(scores, br, temperature=1.0)  # both already at the sampling temperature
+            loss, m = specopd.specopd_loss(br, p, self.loss_name, self.drafter.cfg.loss_gamma, **self.loss_extra)
+            weight = m["weight"]
+            (loss * weight).backward()
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            n = br.valid.sum()
+            out = self.drafter(batch, layout)  # teacher-forced chains: the comparable offline acceptance
+            greedy = (out.logits.argmax(-1) == local_logits.argmax(-1)[out.target_rows.clamp(min=0)]) & out.valid
+            lens = accept_lengths(greedy, self.k) * out.valid[:, 0]
+        self._timers["eval_s"] += time.perf_counter() - t1
+        st["loss_sum"] += m["loss"] * weight
+        st["weight"] += weight
+        st["overlap_sum"] += m["overlap"] * n
+        st["top1_sum"] += m["top1_match"] * n
+        st["positions"] += n
+        st["accept_sum"] += lens.sum()
+        st["chains"] += out.valid[:, 0].sum()
+        return m
+
     def end_step(self) -> dict[str, float]:
         """Sum gradients and statistics over the reduce group, normalise, clip, step. Returns the
         step's metrics (identical on every rank of the group)."""
@@ -269,6 +348,8 @@ class OnlineDraftTrainer:
                    "top1_match": s["top1_sum"] / s["positions"] if s["positions"] else float("nan"),
                    "acceptance_offline": s["accept_sum"] / s["chains"] if s["chains"] else float("nan"),
                    "positions": s["positions"], "chains": s["chains"]}
+        if self.branches == "on_policy":  # branch tokens the policy scored (the group's); seconds: this rank's
+            metrics.update(branch_tokens=s["branch_tokens"], **self._timers)
         lr = lr_at(self.steps_done, self.total_steps, self.cfg.optimizer)
         vocab = getattr(self.drafter, "vocab", None)
         placeholder = vocab is not None and vocab.source == "placeholder"

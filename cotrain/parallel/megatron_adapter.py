@@ -31,7 +31,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from cotrain.parallel.branch_attention import cp_branch_attention
+from cotrain.parallel.branch_attention import cp_branch_attention, local_branch_attention
 from cotrain.parallel.kernels import BlockKernel
 from cotrain.parallel.layout import BranchLayout, cu_seqlens_from_lengths
 
@@ -117,3 +117,125 @@ class CPBranchCoreAttention(MegatronModule):
             softmax_scale=self.softmax_scale, kernel=self.kernel,
         )
         return out.reshape(b, sq, nq * hn).transpose(0, 1).contiguous()
+
+
+# ------------------------------------------------------------------------------- tree scoring
+# SpecOPD's target scoring inside the Megatron policy (cotrain.draft.specopd, docs/cotrain.md): the
+# log-prob recomputation already ran the policy over the stem (the rollout rows); its keys and
+# values are captured at every layer's core_attention (``StemKV``), and the branch tokens then run
+# through the policy alone (``tree_branch_logits``): rotary positions by semantic position
+# (anchor + j), every core_attention replaced for that forward by branch attention with no main
+# queries (q=None) over the captured stem keys/values on the tree layout (context inclusive, intra
+# causal: branch token j sees the stem up to its anchor and its own tokens 1..j). The stem's outputs
+# are the log-prob forward's, untouched: stem tokens never see branch tokens by construction.
+
+
+def _core_attentions(gpt) -> list:
+    return [layer.self_attention.core_attention for layer in gpt.decoder.layers]
+
+
+def _plain_scale(module) -> float:
+    """The net softmax scale of a core_attention (Megatron's query-key layer scaling multiplies back
+    inside its softmax what DotProductAttention's softmax_scale divided out)."""
+    if isinstance(module, CPBranchCoreAttention):
+        return module.softmax_scale
+    cfg = module.config
+    return cfg.softmax_scale if cfg.softmax_scale is not None else cfg.kv_channels**-0.5
+
+
+def _window_of(module) -> Optional[int]:
+    cfg = module.config
+    if cfg.window_size is not None and is_layer_window_attention(cfg.window_size, cfg.window_attn_skip_freq,
+                                                                  getattr(module, "layer_number", 1)):
+        return cfg.window_size
+    return None
+
+
+class StemKV:
+    """Keys and values every core_attention of ``gpt`` receives (post-rotary, [s, b, ng, hn]),
+    captured while ``active``: one microbatch's worth (each forward overwrites the last)."""
+
+    def __init__(self, gpt):
+        self.active = False
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._handles = []
+        for i, core in enumerate(_core_attentions(gpt)):
+            if _window_of(core) is not None:
+                raise NotImplementedError(f"tree scoring: layer {i} uses sliding-window attention "
+                                          "(not supported by the on-policy branch scoring)")
+            self._handles.append(core.register_forward_pre_hook(self._hook(i), with_kwargs=True))
+
+    def _hook(self, i: int):
+        def hook(module, args, kwargs):
+            if self.active:
+                key = args[1] if len(args) > 1 else kwargs["key"]
+                value = args[2] if len(args) > 2 else kwargs["value"]
+                self.kv[i] = (key.detach(), value.detach())
+        return hook
+
+    def packed(self, i: int, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's keys and values as packed rows [len(keep), ng, hn]: ``keep`` indexes the
+        microbatch's b * s positions row after row (the rows without their padding)."""
+        k, v = self.kv[i]
+        flat = lambda x: x.transpose(0, 1).reshape(-1, x.shape[2], x.shape[3])  # noqa: E731
+        return flat(k)[keep], flat(v)[keep]
+
+    def clear(self) -> None:
+        self.kv.clear()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+@torch.no_grad()
+def tree_branch_logits(gpt, stem: StemKV, keep: torch.Tensor, layout: BranchLayout, branch_ids: torch.Tensor,
+                       branch_pos: torch.Tensor, group=None) -> torch.Tensor:
+    """Logits [Nb, V/tp] of the policy ``gpt`` (a Megatron GPTModel, whole: PP = 1) at ``branch_ids``
+    (Nb,) - the branch tokens of ``layout`` (context inclusive, intra causal), packed branch after
+    branch - given the stem whose keys and values ``stem`` captured in the forward that just ran.
+
+    ``keep`` selects the stem's packed rows from that forward's [b, s] positions (layout.cu_seqlens
+    describes them); ``branch_pos`` (Nb,) are the tokens' semantic positions (anchor's in-sequence
+    position + j), used for the rotary embedding. ``group``: the CP group (None at CP = 1)."""
+    if layout.context != "inclusive" or layout.intra != "causal":
+        raise ValueError(f"tree scoring needs the layout context='inclusive', intra='causal'; got "
+                         f"context={layout.context!r}, intra={layout.intra!r}")
+    cores = _core_attentions(gpt)
+    rope = gpt.rotary_pos_emb
+    pos = branch_pos.to(torch.int64)
+
+    def rotary(*args, **kwargs):  # [Nb, 1, 1, dim]: the embedding of each token's own position
+        n = int(pos.max()) + 1 if pos.numel() else 1
+        return rope.get_emb(n)[pos]
+
+    def tree(i, module):
+        scale = _plain_scale(module)
+
+        def forward(query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            nb, b, nq, hn = query.shape
+            if b != 1:
+                raise ValueError(f"tree scoring runs one packed row of branch tokens, got batch {b}")
+            k, v = stem.packed(i, keep)
+            if layout.cp_size == 1:
+                _, _, out, _ = local_branch_attention(None, k, v, query[:, 0], key[:, 0], value[:, 0], layout,
+                                                      softmax_scale=scale)
+            else:
+                _, _, out, _ = cp_branch_attention(None, k, v, query[:, 0], key[:, 0], value[:, 0], layout, group,
+                                                   softmax_scale=scale)
+            return out.reshape(nb, 1, nq * hn)
+        return forward
+
+    rope.forward = rotary
+    for i, core in enumerate(cores):
+        core.forward = tree(i, core)
+    try:
+        ids = branch_ids.to(torch.int64)[None]
+        logits = gpt(ids, pos[None], None)
+    finally:
+        del rope.forward
+        for core in cores:
+            del core.forward
+    return logits[0]

@@ -106,6 +106,17 @@ class DraftStage:
         self.hooks = attach_tap_hooks(model, self.channel)
         self.hooks.enabled = False
         self.trainer: Optional[OnlineDraftTrainer] = None
+        # draft.branches: on_policy (SpecOPD): the stem's keys/values of the log-prob forward,
+        # captured for the branch tokens' tree forward (validation: PP = CP = TP = 1, block drafters)
+        self.on_policy = d.branches == "on_policy"
+        self.stem = None
+        if self.on_policy:
+            if self.pp > 1 or self.cp > 1 or self.tp > 1:
+                raise NotImplementedError(f"draft.branches: on_policy runs at PP = CP = TP = 1 (got PP={self.pp}, "
+                                          f"CP={self.cp}, TP={self.tp}); validation refuses the others")
+            from cotrain.parallel.megatron_adapter import StemKV
+
+            self.stem = StemKV(model.module)
         if self.is_last:
             target = TargetSpec.from_checkpoint(model_path)
             drafter = build_drafter_for(cfg, target, init_dir)
@@ -114,7 +125,8 @@ class DraftStage:
             self.trainer = OnlineDraftTrainer(
                 drafter, d, total_steps=cfg.grpo.num_steps, seed=cfg.run.seed, cp_size=self.cp,
                 cp_group=ps.get_context_parallel_group() if self.cp > 1 else None,
-                reduce_group=ps.get_data_parallel_group(with_context_parallel=True), k=k)
+                reduce_group=ps.get_data_parallel_group(with_context_parallel=True), k=k,
+                eos_token_id=target.eos_token_id)
         self._active = False
 
     # ------------------------------------------------------------------ shared tensors
@@ -162,6 +174,8 @@ class DraftStage:
     def before_forward(self, microbatch: int, num_tokens: int) -> None:
         if self._active:
             self.hooks.set_microbatch(microbatch, num_tokens)
+            if self.stem is not None:
+                self.stem.active = True
 
     def after_logits(self, microbatch: int, rows: RolloutRows, logits: torch.Tensor) -> None:
         """Last stage: ``logits`` [b, S/cp, V/tp] of the microbatch (tempered, detached)."""
@@ -173,11 +187,45 @@ class DraftStage:
             logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
         taps = self.channel.read(microbatch)
         taps = torch.cat([taps[layer] for layer in self.tap_layers], dim=-1)
-        self.trainer.microbatch(rows, taps, logits.reshape(-1, logits.shape[-1]).float())
+        scorer = None
+        if self.stem is not None:
+            self.stem.active = False
+            scorer = self._tree_scorer(rows)
+        try:
+            self.trainer.microbatch(rows, taps, logits.reshape(-1, logits.shape[-1]).float(), scorer=scorer)
+        finally:
+            if self.stem is not None:
+                self.stem.clear()
+
+    def _tree_scorer(self, rows: RolloutRows):
+        """The policy's scorer of one microbatch's branch tokens (``draft.branches: on_policy``): a
+        forward of the policy over the branch tokens only, attending to the stem's keys/values that
+        the log-prob forward just captured (cotrain.parallel.megatron_adapter.tree_branch_logits),
+        its logits tempered and filtered as the log-prob forward's (the sampling distribution)."""
+        from cotrain.parallel.megatron_adapter import tree_branch_logits
+        from cotrain.rl.sampling_filter import filter_active, keep_mask
+
+        S = rows.width
+        keep = torch.cat([i * S + torch.arange(int(n)) for i, n in enumerate(rows.lengths.tolist())])
+        s = self.cfg.rollout.sampling
+
+        def score(layout, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            enabled, self.hooks.enabled = self.hooks.enabled, False  # the tree forward writes no taps
+            try:
+                logits = tree_branch_logits(self.model.module, self.stem, keep, layout, tokens, positions)
+            finally:
+                self.hooks.enabled = enabled
+            logits = logits.float() / (s.temperature or 1.0)
+            if filter_active(s.temperature, s.top_k, s.top_p):
+                logits = logits.masked_fill(~keep_mask(logits, s.top_k, s.top_p), float("-inf"))
+            return logits
+        return score
 
     def end(self) -> Optional[dict]:
         """Close the step; on the last stage: the drafter's optimizer step and the step's metrics."""
         self.hooks.enabled = False
+        if self.stem is not None:
+            self.stem.active = False
         self._active = False
         tap = self.channel.end_step()
         if self.trainer is None:
@@ -192,6 +240,9 @@ class DraftStage:
         """Leave a failed step: hooks off (the channel's next begin_step starts over)."""
         self.hooks.enabled = False
         self._active = False
+        if self.stem is not None:
+            self.stem.active = False
+            self.stem.clear()
 
     # ------------------------------------------------------------------ weights and checkpoints
     def export_dir(self, path: str) -> None:
@@ -201,4 +252,6 @@ class DraftStage:
 
     def close(self) -> None:
         self.hooks.remove()
+        if self.stem is not None:
+            self.stem.remove()
         self.channel.close()

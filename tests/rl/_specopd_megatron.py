@@ -1,0 +1,70 @@
+"""Per-rank body of the Megatron tree-scoring test (spawned ranks import this module by name).
+
+The policy as the trainer builds it (megatron-core GPTModel from the Hugging Face checkpoint), one
+forward over right-padded rows with the stem's keys/values captured, then the branch tokens through
+``tree_branch_logits``. Returns what the test compares against plain Hugging Face forwards."""
+
+from __future__ import annotations
+
+import torch
+
+LENS = (13, 6, 21)
+WIDTH = 4  # scored tokens per branch (W - 1 of a block of 5)
+
+
+def rows(vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    S = -(-max(LENS) // 4) * 4
+    inputs = torch.zeros(len(LENS), S, dtype=torch.int64)
+    for i, n in enumerate(LENS):
+        inputs[i, :n] = torch.randint(4, vocab, (n,), generator=g)
+    lengths = torch.tensor(LENS)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+    keep = torch.cat([i * S + torch.arange(n) for i, n in enumerate(LENS)])
+    # every position of a sequence's first and last token, neighbours, and a few inside
+    anchors = torch.tensor([0, 3, 4, int(cu[1]) - 1, int(cu[1]), int(cu[2]) - 1, int(cu[2]), int(cu[2]) + 7,
+                            int(cu[2]) + 8, int(cu[3]) - 1])
+    tokens = torch.randint(4, vocab, (anchors.numel(), WIDTH), generator=g)
+    return inputs, lengths, cu, keep, anchors, tokens
+
+
+def tree_rank(rank: int, world: int, model_path: str, tensor: int = 1) -> dict:
+    from cotrain.models.megatron_compat import apply_cpu_compat, model_parallel_manual_seed
+
+    apply_cpu_compat()
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from cotrain.models.hf_io import load_hf_checkpoint
+    from cotrain.models.megatron_model import build_gpt_model, load_hf_weights, transformer_config
+    from cotrain.parallel import BranchLayout
+    from cotrain.parallel.megatron_adapter import StemKV, tree_branch_logits
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tensor)
+    model_parallel_manual_seed(0)
+    arch, _, hf_state = load_hf_checkpoint(model_path)
+    gpt = build_gpt_model(arch, transformer_config(arch))
+    load_hf_weights(gpt, hf_state, arch)
+    gpt.eval()
+    inputs, lengths, cu, keep, anchors, tokens = rows(arch.vocab_size)
+    b, S = inputs.shape
+    stem = StemKV(gpt)
+    with torch.no_grad():
+        stem.active = True
+        stem_logits = gpt(inputs, torch.arange(S)[None].expand(b, S), None)
+        stem.active = False
+        seq = torch.searchsorted(cu, anchors, right=True) - 1
+        layout = BranchLayout(cu, anchors, torch.full_like(anchors, WIDTH), context="inclusive", intra="causal")
+        bpos = (anchors - cu[seq])[:, None] + 1 + torch.arange(WIDTH)[None]
+        logits = tree_branch_logits(gpt, stem, keep, layout, tokens.reshape(-1), bpos.reshape(-1))
+        if tensor > 1:
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+            stem_logits = tensor_parallel.gather_from_tensor_model_parallel_region(stem_logits)
+        # the stem forward again without capture: what the policy computes is untouched
+        plain = gpt(inputs, torch.arange(S)[None].expand(b, S), None)
+        if tensor > 1:
+            plain = tensor_parallel.gather_from_tensor_model_parallel_region(plain)
+    stem.remove()
+    ps.destroy_model_parallel()
+    return {"stem_logits": stem_logits.reshape(b * S, -1)[keep], "branch_logits": logits,
+            "plain_equal": bool(torch.equal(plain, stem_logits))}

@@ -1,0 +1,201 @@
+"""SpecOPD as the co-training objective in the GRPO step (``draft.branches: on_policy``, issue 13).
+
+- The Megatron policy's tree forward (the branch tokens attending to the stem keys/values captured
+  in the log-prob forward, rotary by semantic position) gives, at every branch token, the logits of
+  a plain Hugging Face forward of the same checkpoint on stem[:anchor+1] + branch[:j] (no tree
+  mask, no custom attention); capturing the stem leaves the policy's own logits bit-identical.
+- The policy's step is bit-identical with on-policy and teacher-forced branches: the drafter's
+  objective never reaches the policy.
+- The drafter's on-policy step inside the trainer equals an independent one-process computation
+  with cotrain.draft.specopd's offline functions (HF taps and logits, HF tree forward, the same
+  anchors and branch seeds): loss, gradient norm and the weights after one AdamW step; DP = 2
+  takes the same step as one rank.
+- Validation: what is not built (PP, CP, TP > 1, EAGLE-3, transformer-engine attention) is refused
+  by name.
+
+The drafter optimizer runs with eps = 1 and no clipping, so its first update is ~lr * g: weights
+after the step compare gradients linearly.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))  # _cp_dist (spawned ranks)
+
+from _trainer_utils import fake_rollout_batch  # noqa: E402
+
+from cotrain.config import ConfigError, load_config  # noqa: E402
+
+TEMPERATURE = 0.7  # not 1: the branch logits are tempered like the log-prob forward's
+BASE = ["policy.micro_batch_size=4", "grpo.prompts_per_step=4", "policy.reference_model=false",
+        "rollout.speculative.method=null", f"rollout.sampling.temperature={TEMPERATURE}"]
+DRAFT = ["draft.kind=dflash", "draft.dflash.block_size=5", "draft.dflash.anchors_per_seq=3", "draft.loss=e2e_tv",
+         "draft.cotrain=true", "draft.optimizer.lr=0.5", "draft.optimizer.eps=1.0", "draft.optimizer.clip_grad=0.0"]
+RUNS = {"teacher_forced": [], "on_policy": ["draft.branches=on_policy"],
+        "on_policy_dp2": ["draft.branches=on_policy", "policy.parallel.data=2"]}
+
+
+def config(name):
+    return load_config("configs/grpo.yaml", BASE + DRAFT + RUNS[name])
+
+
+# ------------------------------------------------------------------------------- the tree forward
+def test_megatron_tree_forward_equals_plain_hf_forward_on_every_branch_prefix(tiny_model_path):
+    import _specopd_megatron as M
+    from _cp_dist import run_world
+
+    from cotrain.draft.taps import load_hf_target
+
+    r = run_world(M.tree_rank, 1, str(tiny_model_path))[0]
+    assert r["plain_equal"]  # the capture hooks change nothing in the policy's forward
+    hf = load_hf_target(tiny_model_path)
+    inputs, lengths, cu, keep, anchors, tokens = M.rows(hf.config.vocab_size)
+    ids = inputs.reshape(-1)[keep]
+    with torch.no_grad():
+        stem_ref = torch.cat([hf(input_ids=ids[cu[s]:cu[s + 1]][None]).logits[0] for s in range(len(lengths))])
+        ref = []
+        for a, t in zip(anchors.tolist(), tokens):
+            s = int(torch.searchsorted(cu, torch.tensor(a), right=True)) - 1
+            for j in range(1, M.WIDTH + 1):  # stem up to and including the anchor, then y_1..y_j
+                ref.append(hf(input_ids=torch.cat([ids[cu[s]:a + 1], t[:j]])[None]).logits[0, -1])
+        ref = torch.stack(ref)
+    torch.testing.assert_close(r["stem_logits"], stem_ref, atol=1e-4, rtol=1e-4)
+    assert r["branch_logits"].shape == ref.shape
+    torch.testing.assert_close(r["branch_logits"], ref, atol=1e-4, rtol=1e-4)
+    # the reference is sensitive to what the test is about: the same tokens one position later
+    # (a rotary offset) or after another branch (tree mask) differ by far more than the tolerance
+    assert (ref[1:M.WIDTH] - ref[0:M.WIDTH - 1]).abs().max() > 1e-2
+
+
+# ------------------------------------------------------------------------------- the trainer
+@pytest.fixture(scope="module")
+def runs(tiny_model_path):
+    from cotrain.rl.workers import TrainerGroup
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    out = {}
+    try:
+        for name in RUNS:
+            batch = fake_rollout_batch()
+            group = TrainerGroup(config(name), tiny_model_path)
+            try:
+                init = group.named_weights("draft")
+                lp = group.logprobs(batch, draft_step=1)
+                batch.old_logprobs = lp.logprobs + 0.3 * torch.randn(
+                    lp.logprobs.shape, generator=torch.Generator().manual_seed(0)) * batch.mask
+                metrics = group.train_step(batch)
+                out[name] = dict(batch=batch, lp=lp.logprobs, metrics=metrics, draft=lp.draft_metrics,
+                                 weights=group.named_weights("policy"), draft_init=init,
+                                 draft_weights=group.named_weights("draft"))
+            finally:
+                group.shutdown()
+    finally:
+        ray.shutdown()
+    return out
+
+
+def test_policy_step_is_bit_identical_with_on_policy_or_teacher_forced_branches(runs):
+    tf, op = runs["teacher_forced"], runs["on_policy"]
+    assert op["draft"]["draft/branch_tokens"] > 0  # the tree forward did run
+    assert torch.equal(op["lp"], tf["lp"])
+    for k in ("loss", "grad_norm", "clip_frac"):
+        assert op["metrics"][k] == tf["metrics"][k], k
+    assert set(op["weights"]) == set(tf["weights"])
+    for name, w in tf["weights"].items():
+        assert torch.equal(op["weights"][name], w), name
+    # ... while the drafters' steps differ (the objectives are not the same)
+    assert op["draft"]["draft/loss"] != tf["draft"]["draft/loss"]
+
+
+def test_drafter_on_policy_step_equals_the_offline_specopd_computation(runs, tiny_model_path):
+    """Reference, in this process: HF taps and logits of the same rows; per microbatch of 4 rows
+    (the trainer's), the anchors of each row's seed, branches sampled by the drafter with the
+    microbatch's branch seed, scored by specopd.tree_target_logits on the HF policy, E2E-TV;
+    gradients summed over microbatches, divided by the total weight, one AdamW step."""
+    from cotrain.draft import specopd
+    from cotrain.draft.online import anchor_seed, branch_seed, sample_block_anchors, RolloutRows, to_draft_batch
+    from cotrain.draft.optim import lr_at, make_optimizer, set_lr
+    from cotrain.draft.registry import build_drafter
+    from cotrain.draft.taps import TargetSpec, compute_taps, load_hf_target
+
+    cfg = config("on_policy")
+    r = runs["on_policy"]
+    b = r["batch"]
+    target = TargetSpec.from_checkpoint(tiny_model_path)
+    drafter = build_drafter("dflash", cfg.draft.settings, target, seed=cfg.run.seed).train()
+    for name, w in drafter.vllm_state_dict().items():  # the same initial drafter as the trainer's
+        if name in r["draft_init"]:
+            assert torch.equal(r["draft_init"][name], w), name
+    hf = load_hf_target(tiny_model_path)
+    S = b.seq_len
+    taps, logits = compute_taps(hf, b.inputs.reshape(-1), torch.arange(0, len(b) * S + 1, S), drafter.tap_layers)
+    taps, logits = taps.view(len(b), S, -1), logits.view(len(b), S, -1)
+    step, seed, per_seq = 1, cfg.run.seed, cfg.draft.settings.anchors_per_seq
+    loss_sum = weight = 0.0
+    for lo in range(0, len(b), 4):
+        sl = slice(lo, lo + 4)
+        rows = RolloutRows(b.inputs[sl], b.mask[sl], b.lengths[sl], torch.arange(lo, lo + 4))
+        batch, _ = to_draft_batch(rows, taps[sl].reshape(4 * S, -1), logits[sl].reshape(4 * S, -1))
+        anchors = sample_block_anchors(drafter, batch, [anchor_seed(seed, step, s) for s in range(lo, lo + 4)], per_seq)
+        layout = drafter.build_layout(batch, anchors=anchors)
+        g = torch.Generator().manual_seed(branch_seed(seed, step, lo))
+        br = specopd.sample_branches(drafter, batch, layout, g, temperature=1.0, eos_token_id=target.eos_token_id)
+        with torch.no_grad():
+            scores = specopd.tree_target_logits(hf, batch.input_ids, batch.cu_seqlens, br)
+        p = specopd.branch_target_probs(scores, br, temperature=TEMPERATURE)
+        loss, m = specopd.specopd_loss(br, p, "e2e_tv", drafter.cfg.loss_gamma)
+        (loss * m["weight"]).backward()
+        loss_sum += float(m["loss"] * m["weight"])
+        weight += float(m["weight"])
+    assert r["draft"]["draft/loss"] == pytest.approx(loss_sum / weight, rel=1e-4)
+    params = [q for q in drafter.parameters() if q.requires_grad]
+    grads = [q.grad / weight if q.grad is not None else torch.zeros_like(q) for q in params]
+    gn = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in grads])).item()
+    assert r["draft"]["draft/grad_norm"] == pytest.approx(gn, rel=1e-4)
+    for q, x in zip(params, grads):
+        q.grad = x
+    opt = make_optimizer(drafter, cfg.draft.optimizer)
+    set_lr(opt, lr_at(0, cfg.grpo.num_steps, cfg.draft.optimizer))
+    opt.step()
+    after = drafter.vllm_state_dict()
+    moved = max((r["draft_weights"][n] - r["draft_init"][n]).abs().max().item() for n in r["draft_weights"])
+    assert moved > 1e-3  # the step moved the drafter
+    for name, w in r["draft_weights"].items():
+        torch.testing.assert_close(w, after[name], atol=2e-5, rtol=0, msg=name)
+
+
+def test_drafter_on_policy_step_is_the_same_at_dp2(runs):
+    base, other = runs["on_policy"], runs["on_policy_dp2"]
+    for k in ("draft/loss", "draft/grad_norm", "draft/acceptance_offline", "draft/chains", "draft/positions",
+              "draft/branch_tokens"):
+        assert other["draft"][k] == pytest.approx(base["draft"][k], rel=1e-5, abs=1e-9), k
+    for name, w in base["draft_weights"].items():
+        torch.testing.assert_close(other["draft_weights"][name], w, atol=1e-6, rtol=0, msg=name)
+
+
+# ------------------------------------------------------------------------------- validation
+@pytest.mark.parametrize("extra, key, fragment", [
+    (["policy.parallel.pipeline=2"], "policy.parallel.pipeline",
+     "draft.branches: on_policy is not available with policy.parallel.pipeline > 1 yet"),
+    (["policy.parallel.context=2"], "policy.parallel.context",
+     "draft.branches: on_policy is not available with policy.parallel.context > 1 yet"),
+    (["policy.parallel.tensor=2"], "policy.parallel.tensor",
+     "draft.branches: on_policy is not available with policy.parallel.tensor > 1 yet"),
+    (["draft.kind=eagle3", "draft.loss=e2e_tv"], "draft.branches", "needs a block drafter (allowed kinds: dflash, dspark)"),
+])
+def test_on_policy_refuses_what_is_not_built(extra, key, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config("configs/grpo.yaml", BASE + DRAFT + ["draft.branches=on_policy"] + extra)
+    msgs = [m for p, m in info.value.issues if p == key]
+    assert msgs and fragment in msgs[0], info.value.issues
+
+
+def test_on_policy_is_accepted_where_it_is_built():
+    for name in ("on_policy", "on_policy_dp2"):
+        assert config(name).draft.branches == "on_policy"
+    cfg = load_config("configs/demo.yaml", ["draft.branches=on_policy", "draft.loss=e2e_tv"])
+    assert cfg.draft.kind == "dflash" and cfg.draft.branches == "on_policy"
