@@ -248,9 +248,9 @@ MUTANTS: list[Mutant] = [
       "out.sub_(_rowdot(out, q)[:, None]).mul_(q)", "out.mul_(q)",
       ["tests/draft/test_losses.py"], "L1 / overlap derivative through the softmax without the - <g, q> term"),
     M("draft.training_path_dense_oracle", "cotrain/draft/common.py",
-      "            out, _, bout, _ = local_branch_attention(q, k, v, bq, bk, bv, self.layout)",
+      "            out, _, bout, blse = local_branch_attention(q, k, v, bq, bk, bv, self.layout)",
       "            from cotrain.parallel import dense_branch_attention as d\n"
-      "            out, _, bout, _ = d(q, k, v, bq, bk, bv, self.layout) if q is not None else "
+      "            out, _, bout, blse = d(q, k, v, bq, bk, bv, self.layout) if q is not None else "
       "local_branch_attention(q, k, v, bq, bk, bv, self.layout)",
       ["tests/draft/test_drafters.py", "-k", "main_queries"],
       "CP = 1 with main queries trains through the dense oracle again"),
