@@ -304,6 +304,18 @@ MUTANTS: list[Mutant] = [
       "    unit = 2 * cp_size\n    return (seqlens + unit - 1) // unit * unit",
       "    unit = cp_size\n    return (seqlens + unit - 1) // unit * unit",
       ["tests/parallel/test_layout_zigzag.py"], "sequences padded to C instead of 2C"),
+    # ----- SpecOPD in the GRPO step: the Megatron policy's tree forward (megatron_adapter.tree_branch_logits) --
+    M("specopd.tree_rotary_packed_order", "cotrain/parallel/megatron_adapter.py",
+      "        return rope.get_emb(n)[pos]", "        return rope.get_emb(pos.numel())",
+      ["tests/rl/test_cotrain_specopd.py::test_megatron_tree_forward_equals_plain_hf_forward_on_every_branch_prefix"],
+      "the branch tokens' rotary positions by packed order (0..Nb-1) instead of anchor + j"),
+    M("specopd.tree_branches_see_each_other", "cotrain/parallel/megatron_adapter.py",
+      "query[:, 0], key[:, 0], value[:, 0], layout,\n",
+      "query[:, 0], key[:, 0], value[:, 0], BranchLayout(layout.cu_seqlens, layout.anchors[:1], "
+      "layout.branch_lens.sum()[None], context='inclusive', intra='causal'),\n",
+      ["tests/rl/test_cotrain_specopd.py::test_megatron_tree_forward_equals_plain_hf_forward_on_every_branch_prefix"],
+      "the branch tokens attend as one causal chain: each sees every earlier branch (and the stem up to the "
+      "first anchor) instead of only its own ancestors"),
     # ----- cotrain/config ---------------------------------------------------------------------------------------
     M("config.shallow_merge", "cotrain/config/loader.py",
       "if isinstance(value, dict) and isinstance(out.get(key), dict):", "if False:",
