@@ -569,7 +569,7 @@ def parse_args(argv=None):
 
 
 def build_engines(tiny: str, specs: dict, a) -> dict:
-    from cotrain.rl.vllm_engine import make_cotrain_llm
+    from cotrain.rl.vllm.engine import make_cotrain_llm
 
     kw = {}
     if torch.cuda.is_available():

@@ -710,7 +710,7 @@ def test_one_record_per_drafter_kind_drives_config_registry_and_models():
         cls = get_drafter_class(kind)
         assert f"{cls.__module__}:{cls.__qualname__}" == record.model and cls.vllm_method == record.vllm_method
         assert record.vllm_method in speculative_methods() and record.default_loss in record.losses
-    with pytest.raises(ValueError, match="registered as cotrain.draft.dflash:DFlashDrafter serving 'dflash'"):
+    with pytest.raises(ValueError, match="registered as cotrain.draft.dflash:DFlashDrafter, not cotrain.draft.eagle3:Eagle3Drafter"):
         register_drafter("dflash", get_drafter_class("eagle3"))
     with pytest.raises(TypeError, match="not a Drafter subclass"):
         register_drafter("dflash", object)

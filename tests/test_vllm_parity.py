@@ -10,7 +10,7 @@ PROMPTS = ["457+86=", "12+3=", "999+1=", "5+40="]
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_path):
-    from cotrain.rl.vllm_engine import make_llm
+    from cotrain.rl.vllm.engine import make_llm
 
     # raw_logits: vLLM returns the model's logits (before any processing) instead of log-probs
     engine = make_llm(str(tiny_model_path), max_logprobs=128, logprobs_mode="raw_logits")

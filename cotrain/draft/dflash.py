@@ -213,8 +213,6 @@ class BlockDrafter(Drafter):
 
 
 class DFlashDrafter(BlockDrafter):
-    kind = "dflash"
-    vllm_method = "dflash"
     vllm_architecture = "DFlashDraftModel"
 
 

@@ -64,8 +64,6 @@ class ConfidenceHead(nn.Module):
 
 
 class DSparkDrafter(BlockDrafter):
-    kind = "dspark"
-    vllm_method = "dspark"
     vllm_architecture = "Qwen3DSparkModel"
     predicts_next = True
 

@@ -84,8 +84,6 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Drafter(Drafter):
-    kind = "eagle3"
-    vllm_method = "eagle3"
     vllm_architecture = "LlamaForCausalLMEagle3"
 
     def __init__(self, cfg: Eagle3Config, target: TargetSpec, generator: Optional[torch.Generator] = None):

@@ -162,14 +162,16 @@ class Drafter(nn.Module):
 
 
 def register_drafter(kind: str, cls: type[Drafter]) -> type[Drafter]:
-    """Check, as a drafter module defines ``cls``, that it is the class and speaks the vLLM method
-    the record of ``kind`` names (the record is the registration; this catches the two drifting)."""
+    """Bind a drafter module's class ``cls`` to the record of ``kind``: the record is the
+    registration (it names the class, the vLLM method and the losses), so the class takes its
+    ``kind`` and ``vllm_method`` from it; this checks that the record names this very class."""
     record = get_draft_kind(kind)  # KeyError with the registered kinds
     if not (isinstance(cls, type) and issubclass(cls, Drafter)):
         raise TypeError(f"{cls!r} is not a Drafter subclass")
-    if record.model != f"{cls.__module__}:{cls.__qualname__}" or cls.vllm_method != record.vllm_method:
-        raise ValueError(f"drafter kind {kind!r} is registered as {record.model} serving {record.vllm_method!r}, "
-                         f"not {cls.__module__}:{cls.__qualname__} serving {cls.vllm_method!r}")
+    if record.model != f"{cls.__module__}:{cls.__qualname__}":
+        raise ValueError(f"drafter kind {kind!r} is registered as {record.model}, "
+                         f"not {cls.__module__}:{cls.__qualname__}")
+    cls.kind, cls.vllm_method = kind, record.vllm_method
     return cls
 
 

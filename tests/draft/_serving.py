@@ -72,7 +72,7 @@ def prepare(kind, k, hf_target, target, overrides=(), config=None) -> Served:
 
 
 def start_engine(model_path, served: Served, **kw):
-    from cotrain.rl.vllm_engine import make_cotrain_llm
+    from cotrain.rl.vllm.engine import make_cotrain_llm
 
     served.llm = make_cotrain_llm(str(model_path), seed=0,
                                   speculative_config=served.drafter.speculative_config(str(served.drafter_dir), served.k),
@@ -211,7 +211,7 @@ def check_runtime_push(served: Served, target) -> None:
     estimate of the pushed weights says, and never changes the greedy output."""
     from cotrain.draft.acceptance import estimate_acceptance
     from cotrain.draft.registry import build_drafter
-    from cotrain.rl.vllm_ext import push_draft_weights
+    from cotrain.rl.vllm.client import push_weights
 
     if "trained" not in served.extra:
         served.extra["trained"] = greedy_run(served.llm, served.prompts)[1::-1]
@@ -219,13 +219,13 @@ def check_runtime_push(served: Served, target) -> None:
     fresh = build_drafter(served.kind, served.drafter.cfg, target, seed=123).eval()  # untrained
     fresh_off = estimate_acceptance(fresh, served.batch, k=served.k, eos_token_id=target.eos_token_id).walk_len
 
-    push_draft_weights(served.llm, fresh.vllm_state_dict(), version=1)
+    push_weights(served.llm, "draft", fresh.vllm_state_dict(), version=1)
     tokens, fresh_len, _, _ = greedy_run(served.llm, served.prompts)
     assert tokens == trained_tokens
     assert abs(fresh_len - fresh_off) <= 0.10 * fresh_off, (fresh_len, fresh_off)
     assert fresh_len < trained_len - 0.5, (fresh_len, trained_len)
 
-    push_draft_weights(served.llm, served.drafter.vllm_state_dict(), version=2)
+    push_weights(served.llm, "draft", served.drafter.vllm_state_dict(), version=2)
     tokens, back_len, _, _ = greedy_run(served.llm, served.prompts)
     assert tokens == trained_tokens
     assert back_len == trained_len, (back_len, trained_len)
@@ -247,8 +247,8 @@ def check_temperature_one(served: Served, hf_target, target, n: int = 2000, pool
                           min_cell: float = 1e-9) -> None:
     """(3) at temperature 1 the first two sampled tokens follow the target's exact distribution
     (= target-only sampling): chi-square with fixed per-request seeds. Needs cotrain's CPU repair of
-    vLLM's rejection sampler (cotrain.rl.vllm_ext)."""
-    from cotrain.rl.vllm_ext import cpu_rejection_sampler_fixed
+    vLLM's rejection sampler (cotrain.rl.vllm.sampler_fix)."""
+    from cotrain.rl.vllm.sampler_fix import cpu_rejection_sampler_fixed
 
     model, tok = hf_target
     if not torch.cuda.is_available():

@@ -27,7 +27,7 @@ def test_distilled_drafter_acceptance_in_vllm_matches_offline_estimate(served):
 
 
 def test_runtime_draft_push_changes_acceptance_not_outputs(served, target):
-    """Includes vllm_ext's rebuild of DFlash's fused context-K/V buffers after a draft push."""
+    """Includes cotrain.rl.vllm.dflash_rebuild's rebuild of DFlash's fused context-K/V buffers after a draft push."""
     S.check_runtime_push(served, target)
 
 

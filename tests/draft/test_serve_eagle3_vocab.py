@@ -89,7 +89,7 @@ def test_runtime_push_of_a_new_mapping(served, words_target):
     import copy
 
     from cotrain.draft.vocab import DraftVocab, token_counts
-    from cotrain.rl.vllm_ext import push_draft_weights
+    from cotrain.rl.vllm.client import push_weights
 
     if "trained" not in served.extra:
         served.extra["trained"] = S.greedy_run(served.llm, served.prompts)[1::-1]
@@ -119,7 +119,7 @@ def test_runtime_push_of_a_new_mapping(served, words_target):
     for name, drafter in (("shifted", shifted), ("without_top", without_top)):
         off = _offline(served, drafter, words_target)
         version += 1
-        push_draft_weights(served.llm, drafter.vllm_state_dict(), version=version)
+        push_weights(served.llm, "draft", drafter.vllm_state_dict(), version=version)
         tokens, got, _, _ = S.greedy_run(served.llm, served.prompts)
         assert tokens == trained_tokens, name  # never changes the output
         assert abs(got - off) <= 0.02 * off, (name, got, off)  # measured: identical
@@ -127,7 +127,7 @@ def test_runtime_push_of_a_new_mapping(served, words_target):
     assert lens["shifted"][0] < 1.3 < trained_len - 0.5, (lens, trained_len)
     assert lens["without_top"][0] < trained_len - 0.3, (lens, trained_len)
 
-    push_draft_weights(served.llm, d.vllm_state_dict(), version=version + 1)
+    push_weights(served.llm, "draft", d.vllm_state_dict(), version=version + 1)
     tokens, back, _, _ = S.greedy_run(served.llm, served.prompts)
     assert tokens == trained_tokens and back == trained_len, (back, trained_len)
     served.extra["push_lens"] = lens
