@@ -462,7 +462,7 @@ def check_batch_size_schedule(spec) -> list[Issue]:
 
 def _check_on_policy(cfg: CotrainConfig) -> list[Issue]:
     """draft.branches: on_policy in co-training (SpecOPD in the GRPO step, docs/cotrain.md): block
-    drafters, and the layouts whose tree forward is built and tested (PP = CP = TP = 1, any DP)."""
+    drafters, and the layouts whose tree forward is built and tested (PP = CP = 1, any TP and DP)."""
     d, par = cfg.draft, cfg.policy.parallel
     if not d.cotrain:
         return [("draft.branches", "on_policy is used only when co-training (draft.cotrain=false: the engines "
@@ -470,11 +470,12 @@ def _check_on_policy(cfg: CotrainConfig) -> list[Issue]:
     if d.kind not in ("dflash", "dspark"):
         return [("draft.branches", f"on_policy needs a block drafter (allowed kinds: dflash, dspark), not "
                  f"{d.kind}: EAGLE-3's train-time-test passes read the reference tokens (cotrain.draft.specopd)")]
-    why = ("the policy's tree forward over the branch tokens runs on one pipeline stage, one CP rank and one "
-           "TP rank so far (allowed: 1)")
+    why = {"pipeline": "the branch tokens would have to travel from the last stage (where the drafter samples "
+                       "them) to the first and the tree forward through the pipeline (allowed: 1)",
+           "context": "the tree forward over the zigzag stem shards and the anchor-owned branches is not built "
+                      "(allowed: 1)"}
     issues = [(f"policy.parallel.{key}", f"draft.branches: on_policy is not available with "
-               f"policy.parallel.{key} > 1 yet: {why}") for key in ("pipeline", "context", "tensor")
-              if getattr(par, key) > 1]
+               f"policy.parallel.{key} > 1 yet: {msg}") for key, msg in why.items() if getattr(par, key) > 1]
     if cfg.policy.context_parallel_impl == "megatron_te":
         issues.append(("policy.context_parallel_impl", "draft.branches: on_policy replaces the policy's "
                        "core_attention for its tree forward with cotrain's branch attention; not with "

@@ -107,13 +107,13 @@ class DraftStage:
         self.hooks.enabled = False
         self.trainer: Optional[OnlineDraftTrainer] = None
         # draft.branches: on_policy (SpecOPD): the stem's keys/values of the log-prob forward,
-        # captured for the branch tokens' tree forward (validation: PP = CP = TP = 1, block drafters)
+        # captured for the branch tokens' tree forward (validation: PP = CP = 1, block drafters)
         self.on_policy = d.branches == "on_policy"
         self.stem = None
         if self.on_policy:
-            if self.pp > 1 or self.cp > 1 or self.tp > 1:
-                raise NotImplementedError(f"draft.branches: on_policy runs at PP = CP = TP = 1 (got PP={self.pp}, "
-                                          f"CP={self.cp}, TP={self.tp}); validation refuses the others")
+            if self.pp > 1 or self.cp > 1:
+                raise NotImplementedError(f"draft.branches: on_policy runs at PP = CP = 1 (got PP={self.pp}, "
+                                          f"CP={self.cp}); validation refuses the others")
             from cotrain.parallel.megatron_adapter import StemKV
 
             self.stem = StemKV(model.module)
@@ -215,6 +215,10 @@ class DraftStage:
                 logits = tree_branch_logits(self.model.module, self.stem, keep, layout, tokens, positions)
             finally:
                 self.hooks.enabled = enabled
+            if self.tp > 1:  # vocab-parallel -> full vocabulary, as the stem's logits
+                from megatron.core import tensor_parallel
+
+                logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
             logits = logits.float() / (s.temperature or 1.0)
             if filter_active(s.temperature, s.top_k, s.top_p):
                 logits = logits.masked_fill(~keep_mask(logits, s.top_k, s.top_p), float("-inf"))

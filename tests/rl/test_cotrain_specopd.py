@@ -4,13 +4,14 @@
   in the log-prob forward, rotary by semantic position) gives, at every branch token, the logits of
   a plain Hugging Face forward of the same checkpoint on stem[:anchor+1] + branch[:j] (no tree
   mask, no custom attention); capturing the stem leaves the policy's own logits bit-identical.
+  At TP = 2 too (vocab-parallel logits gathered).
 - The policy's step is bit-identical with on-policy and teacher-forced branches: the drafter's
   objective never reaches the policy.
 - The drafter's on-policy step inside the trainer equals an independent one-process computation
   with cotrain.draft.specopd's offline functions (HF taps and logits, HF tree forward, the same
   anchors and branch seeds): loss, gradient norm and the weights after one AdamW step; DP = 2
-  takes the same step as one rank.
-- Validation: what is not built (PP, CP, TP > 1, EAGLE-3, transformer-engine attention) is refused
+  and TP = 2 take the same step as one rank.
+- Validation: what is not built (PP > 1, CP > 1, EAGLE-3, transformer-engine attention) is refused
   by name.
 
 The drafter optimizer runs with eps = 1 and no clipping, so its first update is ~lr * g: weights
@@ -36,7 +37,9 @@ BASE = ["policy.micro_batch_size=4", "grpo.prompts_per_step=4", "policy.referenc
 DRAFT = ["draft.kind=dflash", "draft.dflash.block_size=5", "draft.dflash.anchors_per_seq=3", "draft.loss=e2e_tv",
          "draft.cotrain=true", "draft.optimizer.lr=0.5", "draft.optimizer.eps=1.0", "draft.optimizer.clip_grad=0.0"]
 RUNS = {"teacher_forced": [], "on_policy": ["draft.branches=on_policy"],
-        "on_policy_dp2": ["draft.branches=on_policy", "policy.parallel.data=2"]}
+        "on_policy_dp2": ["draft.branches=on_policy", "policy.parallel.data=2"],
+        "on_policy_tp2": ["draft.branches=on_policy", "policy.parallel.tensor=2"]}
+DRAFT_ATOL = {"on_policy_dp2": 1e-6, "on_policy_tp2": 2e-5}
 
 
 def config(name):
@@ -44,13 +47,14 @@ def config(name):
 
 
 # ------------------------------------------------------------------------------- the tree forward
-def test_megatron_tree_forward_equals_plain_hf_forward_on_every_branch_prefix(tiny_model_path):
+@pytest.mark.parametrize("tensor", [1, 2], ids=["tp1", "tp2"])
+def test_megatron_tree_forward_equals_plain_hf_forward_on_every_branch_prefix(tiny_model_path, tensor):
     import _specopd_megatron as M
     from _cp_dist import run_world
 
     from cotrain.draft.taps import load_hf_target
 
-    r = run_world(M.tree_rank, 1, str(tiny_model_path))[0]
+    r = run_world(M.tree_rank, tensor, str(tiny_model_path), tensor)[0]  # TP: the gathered logits
     assert r["plain_equal"]  # the capture hooks change nothing in the policy's forward
     hf = load_hf_target(tiny_model_path)
     inputs, lengths, cu, keep, anchors, tokens = M.rows(hf.config.vocab_size)
@@ -168,13 +172,16 @@ def test_drafter_on_policy_step_equals_the_offline_specopd_computation(runs, tin
         torch.testing.assert_close(w, after[name], atol=2e-5, rtol=0, msg=name)
 
 
-def test_drafter_on_policy_step_is_the_same_at_dp2(runs):
-    base, other = runs["on_policy"], runs["on_policy_dp2"]
+@pytest.mark.parametrize("name", ["on_policy_dp2", "on_policy_tp2"])
+def test_drafter_on_policy_step_is_the_same_at_dp2_and_tp2(runs, name):
+    """Anchors per row, branch draws per microbatch (the same rows at DP = 2), every TP rank a
+    replica on the TP-gathered logits: the same step as one rank."""
+    base, other = runs["on_policy"], runs[name]
     for k in ("draft/loss", "draft/grad_norm", "draft/acceptance_offline", "draft/chains", "draft/positions",
               "draft/branch_tokens"):
         assert other["draft"][k] == pytest.approx(base["draft"][k], rel=1e-5, abs=1e-9), k
-    for name, w in base["draft_weights"].items():
-        torch.testing.assert_close(other["draft_weights"][name], w, atol=1e-6, rtol=0, msg=name)
+    for key, w in base["draft_weights"].items():
+        torch.testing.assert_close(other["draft_weights"][key], w, atol=DRAFT_ATOL[name], rtol=0, msg=key)
 
 
 # ------------------------------------------------------------------------------- validation
@@ -183,8 +190,6 @@ def test_drafter_on_policy_step_is_the_same_at_dp2(runs):
      "draft.branches: on_policy is not available with policy.parallel.pipeline > 1 yet"),
     (["policy.parallel.context=2"], "policy.parallel.context",
      "draft.branches: on_policy is not available with policy.parallel.context > 1 yet"),
-    (["policy.parallel.tensor=2"], "policy.parallel.tensor",
-     "draft.branches: on_policy is not available with policy.parallel.tensor > 1 yet"),
     (["draft.kind=eagle3", "draft.loss=e2e_tv"], "draft.branches", "needs a block drafter (allowed kinds: dflash, dspark)"),
 ])
 def test_on_policy_refuses_what_is_not_built(extra, key, fragment):
@@ -195,7 +200,7 @@ def test_on_policy_refuses_what_is_not_built(extra, key, fragment):
 
 
 def test_on_policy_is_accepted_where_it_is_built():
-    for name in ("on_policy", "on_policy_dp2"):
+    for name in ("on_policy", "on_policy_dp2", "on_policy_tp2"):
         assert config(name).draft.branches == "on_policy"
     cfg = load_config("configs/demo.yaml", ["draft.branches=on_policy", "draft.loss=e2e_tv"])
     assert cfg.draft.kind == "dflash" and cfg.draft.branches == "on_policy"
