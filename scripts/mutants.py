@@ -310,9 +310,9 @@ MUTANTS: list[Mutant] = [
       ["tests/rl/test_cotrain_specopd.py::test_megatron_tree_forward_equals_plain_hf_forward_on_every_branch_prefix"],
       "the branch tokens' rotary positions by packed order (0..Nb-1) instead of anchor + j"),
     M("specopd.tree_branches_see_each_other", "cotrain/parallel/megatron_adapter.py",
-      "query[:, 0], key[:, 0], value[:, 0], layout,\n",
-      "query[:, 0], key[:, 0], value[:, 0], BranchLayout(layout.cu_seqlens, layout.anchors[:1], "
-      "layout.branch_lens.sum()[None], context='inclusive', intra='causal'),\n",
+      "local_branch_attention(None, k, v, bq, bk, bv, layout,",
+      "local_branch_attention(None, k, v, bq, bk, bv, BranchLayout(layout.cu_seqlens, layout.anchors[:1], "
+      "layout.branch_lens.sum()[None], context='inclusive', intra='causal'),",
       ["tests/rl/test_cotrain_specopd.py::test_megatron_tree_forward_equals_plain_hf_forward_on_every_branch_prefix"],
       "the branch tokens attend as one causal chain: each sees every earlier branch (and the stem up to the "
       "first anchor) instead of only its own ancestors"),

@@ -462,7 +462,7 @@ def check_batch_size_schedule(spec) -> list[Issue]:
 
 def _check_on_policy(cfg: CotrainConfig) -> list[Issue]:
     """draft.branches: on_policy in co-training (SpecOPD in the GRPO step, docs/cotrain.md): block
-    drafters, and the layouts whose tree forward is built and tested (PP = CP = 1, any TP and DP)."""
+    drafters, and the layouts whose tree forward is built and tested (PP = 1, any CP, TP and DP)."""
     d, par = cfg.draft, cfg.policy.parallel
     if not d.cotrain:
         return [("draft.branches", "on_policy is used only when co-training (draft.cotrain=false: the engines "
@@ -471,9 +471,7 @@ def _check_on_policy(cfg: CotrainConfig) -> list[Issue]:
         return [("draft.branches", f"on_policy needs a block drafter (allowed kinds: dflash, dspark), not "
                  f"{d.kind}: EAGLE-3's train-time-test passes read the reference tokens (cotrain.draft.specopd)")]
     why = {"pipeline": "the branch tokens would have to travel from the last stage (where the drafter samples "
-                       "them) to the first and the tree forward through the pipeline (allowed: 1)",
-           "context": "the tree forward over the zigzag stem shards and the anchor-owned branches is not built "
-                      "(allowed: 1)"}
+                       "them) to the first and the tree forward through the pipeline (allowed: 1)"}
     issues = [(f"policy.parallel.{key}", f"draft.branches: on_policy is not available with "
                f"policy.parallel.{key} > 1 yet: {msg}") for key, msg in why.items() if getattr(par, key) > 1]
     if cfg.policy.context_parallel_impl == "megatron_te":

@@ -122,10 +122,21 @@ def anchor_seed(seed: int, step: int, seq_id: int) -> int:
     return ((int(seed) * 1_000_003 + int(step)) * 1_000_033 + int(seq_id)) % (2**63 - 1)
 
 
-def branch_seed(seed: int, step: int, seq_id: int) -> int:
-    """The seed of a microbatch's on-policy branch draws (``draft.branches: on_policy``): a fixed mix
-    of the run seed, the step and the microbatch's first row, distinct from that row's anchor seed."""
-    return (anchor_seed(seed, step, seq_id) * 1_000_037 + 17) % (2**63 - 1)
+def branch_seed(seed: int, step: int, seq_id: int, position: int) -> int:
+    """The seed of one on-policy branch's draws (``draft.branches: on_policy``): a fixed mix of the
+    run seed, the step, the row and the anchor's position in it (distinct from the row's anchor seed)."""
+    return (anchor_seed(seed, step, seq_id) * 1_000_037 + int(position) + 1) % (2**63 - 1)
+
+
+def branch_uniforms(seed: int, step: int, seq_ids: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
+    """(NB, width) uniforms in [0, 1) of the branches at (row ``seq_ids[b]``, in-row anchor position
+    ``positions[b]``): draft j of branch b is drawn by inverse CDF at [b, j]. A function of the branch
+    alone, so the draws do not depend on the microbatch grouping, the rank holding the branch or the
+    layout."""
+    out = torch.empty(len(seq_ids), width)
+    for b, (s, a) in enumerate(zip(seq_ids.tolist(), positions.tolist())):
+        out[b] = torch.rand(width, generator=torch.Generator().manual_seed(branch_seed(seed, step, s, a)))
+    return out
 
 
 def sample_block_anchors(drafter: BlockDrafter, batch: DraftBatch, seeds: list[int], per_seq: int) -> torch.Tensor:
@@ -163,8 +174,7 @@ class OnlineDraftTrainer:
             if not isinstance(drafter, BlockDrafter):
                 raise NotImplementedError(f"draft.branches: on_policy needs a block drafter (dflash, dspark), not "
                                           f"{drafter.kind}")
-            if cp_size > 1:
-                raise NotImplementedError("draft.branches: on_policy is not available with context parallelism yet")
+
         self.loss_extra = {n: float(getattr(draft_cfg.settings, n)) for n in ("l1_weight", "confidence_weight")
                            if hasattr(draft_cfg.settings, n)}
         self.total_steps = int(total_steps)
@@ -275,24 +285,34 @@ class OnlineDraftTrainer:
 
     def _on_policy(self, rows: RolloutRows, batch: DraftBatch, local_logits: torch.Tensor, layout,
                    scorer: Callable) -> dict[str, torch.Tensor]:
-        """SpecOPD on one microbatch (CP = 1): the drafter samples a branch at every anchor of
-        ``layout`` (one call, generator seeded by :func:`branch_seed`), the policy scores branch tokens
+        """SpecOPD on one microbatch: the drafter samples a branch at every anchor of ``layout`` it
+        holds (one call; draws at :func:`branch_uniforms`), the policy scores branch tokens
         y_1..y_{W-1} in one tree forward (``scorer``), p_1 is the anchor's own row of
         ``local_logits``; the loss (``draft.loss``, E2E-TV for SpecOPD) on the branch positions with the
-        tokens and p fixed. The statistics: loss, overlap and top-1 agreement on the branch positions;
-        ``acceptance_offline`` as in teacher forcing (the drafter's teacher-forced chains at the same
-        anchors, no grad), so that it compares across ``draft.branches``."""
+        tokens and p fixed. Under CP a rank holds the branches whose anchors it holds (the drafter's
+        layout), and the drafter's and the policy's attention run over the CP group. The statistics:
+        loss, overlap and top-1 agreement on the branch positions; ``acceptance_offline`` as in
+        teacher forcing (the drafter's teacher-forced chains at the same anchors, no grad), so that
+        it compares across ``draft.branches``."""
         from cotrain.draft import specopd
+        from cotrain.draft.common import group_rank
 
         st = self._stats
-        nb = int(layout.anchors.numel())
         st["microbatches"] += 1
-        if nb == 0:  # nothing to supervise in these rows
+        if int(layout.anchors.numel()) == 0:  # nothing to supervise in these rows (on every CP rank)
             return {}
-        g = torch.Generator().manual_seed(branch_seed(self.seed, self._step, int(rows.seq_ids[0])))
+        C = self.cp_size
+        group = self.cp_group if C > 1 else None
+        rank = group_rank(group) if C > 1 else 0
+        anchors = layout.anchors[layout.local_branches(rank)] if C > 1 else layout.anchors
+        seq = batch.seq_of[anchors]
+        u = branch_uniforms(self.seed, self._step, rows.seq_ids[seq], anchors - batch.cu_seqlens[seq],
+                            self.drafter.draft_width)
         with torch.enable_grad():
-            br = specopd.sample_branches(self.drafter, batch, layout, g, temperature=1.0,
-                                         eos_token_id=self.eos_token_id)
+            br = specopd.sample_branches(self.drafter, batch, layout, None, temperature=1.0, group=group,
+                                         eos_token_id=self.eos_token_id, uniforms=u)
+            if not torch.equal(br.anchors, anchors):
+                raise RuntimeError("the drafter's branches are not the layout's anchors of this rank, in order")
             W, V = br.width, local_logits.shape[-1]
             tl = specopd.target_layout(layout, W)
             branch_logits = local_logits.new_zeros(0, V)
@@ -304,17 +324,26 @@ class OnlineDraftTrainer:
                     branch_logits = scorer(tl, br.tokens[:, : W - 1].reshape(-1), pos.reshape(-1)).float()
                 self._timers["tree_s"] += time.perf_counter() - t1
                 st["branch_tokens"] += float(branch_logits.shape[0])
-            scores = specopd.TreeScores(stem_logits=local_logits, stem_index=torch.arange(local_logits.shape[0]),
+            stem_index = layout.zigzag_index(rank) if C > 1 else torch.arange(local_logits.shape[0])
+            scores = specopd.TreeScores(stem_logits=local_logits, stem_index=stem_index,
                                         branch_logits=branch_logits, layout=tl)
-            p = specopd.branch_target_probs(scores, br, temperature=1.0)  # both already at the sampling temperature
+            if br.tokens.shape[0]:  # both logits already at the sampling temperature
+                p = specopd.branch_target_probs(scores, br, temperature=1.0)
+            else:  # a CP rank holding no branch (it still ran the collective forwards and runs the backward)
+                p = local_logits.new_zeros(0, W, V)
             loss, m = specopd.specopd_loss(br, p, self.loss_name, self.drafter.cfg.loss_gamma, **self.loss_extra)
             weight = m["weight"]
             (loss * weight).backward()
         t1 = time.perf_counter()
         with torch.no_grad():
             n = br.valid.sum()
-            out = self.drafter(batch, layout)  # teacher-forced chains: the comparable offline acceptance
-            greedy = (out.logits.argmax(-1) == local_logits.argmax(-1)[out.target_rows.clamp(min=0)]) & out.valid
+            out = self.drafter(batch, layout, group=group)  # teacher-forced chains: the comparable acceptance
+            if C > 1:  # the rows the chains need, from their owners
+                ids = local_logits.argmax(-1).double()[:, None]  # token ids, exact in float64
+                best = fetch_rows(ids, out.target_rows, layout, group).view(out.target_rows.shape).long()
+            else:
+                best = local_logits.argmax(-1)[out.target_rows.clamp(min=0)]
+            greedy = (out.logits.argmax(-1) == best) & out.valid
             lens = accept_lengths(greedy, self.k) * out.valid[:, 0]
         self._timers["eval_s"] += time.perf_counter() - t1
         st["loss_sum"] += m["loss"] * weight

@@ -83,10 +83,16 @@ class Branches:
         return int(self.tokens.shape[1])
 
 
-def _draw(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """One token per row of ``logits`` (..., V): argmax at temperature 0, else softmax(l / T)."""
+def _draw(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator],
+          uniforms: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One token per row of ``logits`` (..., V): argmax at temperature 0, else softmax(l / T).
+    ``uniforms`` (...,) in [0, 1): draw by inverse CDF at these instead of from ``generator``."""
     if temperature == 0:
         return logits.argmax(-1)
+    if uniforms is not None:
+        cdf = torch.cumsum(F.softmax(logits.detach().float() / temperature, dim=-1), dim=-1)
+        u = uniforms.to(cdf.dtype)[..., None] * cdf[..., -1:]
+        return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
     probs = F.softmax(logits.detach().float() / temperature, dim=-1)
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
@@ -103,11 +109,13 @@ def _check_block_drafter(drafter) -> None:
 
 def sample_branches(drafter, batch: DraftBatch, layout: BranchLayout, generator: Optional[torch.Generator] = None,
                     temperature: float = 1.0, group=None, tokens: Optional[torch.Tensor] = None,
-                    eos_token_id: Optional[int] = None) -> Branches:
+                    eos_token_id: Optional[int] = None, uniforms: Optional[torch.Tensor] = None) -> Branches:
     """Sample a branch at every anchor of ``layout`` (this rank's anchors under CP) in one drafter call.
 
     ``tokens`` (NB, W): score given branches instead of sampling (the logits are then the drafter's
-    distributions conditioned on those tokens). ``generator`` drives the draws (temperature > 0).
+    distributions conditioned on those tokens). ``generator`` drives the draws (temperature > 0);
+    ``uniforms`` (NB, W) in [0, 1) instead: draft j of branch b is drawn by inverse CDF at
+    uniforms[b, j] (draws that do not depend on which rank holds the branch).
     The returned logits keep the graph: the loss differentiates through them."""
     _check_block_drafter(drafter)
     hidden, anchors, ids = drafter.backbone(batch, layout, group)
@@ -115,14 +123,15 @@ def sample_branches(drafter, batch: DraftBatch, layout: BranchLayout, generator:
     conf = None
     if not drafter.predicts_next:  # DFlash: block position j >= 1 is draft j; no dependence on samples
         logits = base[:, 1:]
-        y = _draw(logits, temperature, generator) if tokens is None else tokens
+        y = _draw(logits, temperature, generator, uniforms) if tokens is None else tokens
     else:  # DSpark: Markov head left to right on the drafter's own previous token
         NB, B = base.shape[:2]
         prev = ids[:, 0]
         cols, ys = [], []
         for i in range(B):
             li = base[:, i] + drafter.markov_head.bias(prev, hidden[:, i])
-            yi = _draw(li, temperature, generator) if tokens is None else tokens[:, i]
+            yi = (_draw(li, temperature, generator, None if uniforms is None else uniforms[:, i])
+                  if tokens is None else tokens[:, i])
             cols.append(li)
             ys.append(yi)
             prev = yi

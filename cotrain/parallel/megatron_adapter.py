@@ -205,6 +205,13 @@ def tree_branch_logits(gpt, stem: StemKV, keep: torch.Tensor, layout: BranchLayo
     cores = _core_attentions(gpt)
     rope = gpt.rotary_pos_emb
     pos = branch_pos.to(torch.int64)
+    ids = branch_ids.to(torch.int64)
+    # a rank that holds no branch still takes part in every layer's ring (CP > 1); Megatron's layers
+    # cannot run zero tokens, so one placeholder token runs through them, attends to nothing (zero
+    # rows go to the attention, zeros come back) and is dropped from the logits
+    empty = ids.numel() == 0
+    if empty:
+        ids, pos = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
 
     def rotary(*args, **kwargs):  # [Nb, 1, 1, dim]: the embedding of each token's own position
         n = int(pos.max()) + 1 if pos.numel() else 1
@@ -219,12 +226,16 @@ def tree_branch_logits(gpt, stem: StemKV, keep: torch.Tensor, layout: BranchLayo
             if b != 1:
                 raise ValueError(f"tree scoring runs one packed row of branch tokens, got batch {b}")
             k, v = stem.packed(i, keep)
+            n = 0 if empty else nb
+            bq, bk, bv = query[:n, 0], key[:n, 0], value[:n, 0]
             if layout.cp_size == 1:
-                _, _, out, _ = local_branch_attention(None, k, v, query[:, 0], key[:, 0], value[:, 0], layout,
+                _, _, out, _ = local_branch_attention(None, k, v, bq, bk, bv, layout,
                                                       softmax_scale=scale)
             else:
-                _, _, out, _ = cp_branch_attention(None, k, v, query[:, 0], key[:, 0], value[:, 0], layout, group,
+                _, _, out, _ = cp_branch_attention(None, k, v, bq, bk, bv, layout, group,
                                                    softmax_scale=scale)
+            if empty:
+                out = query.new_zeros(nb, nq, hn)
             return out.reshape(nb, 1, nq * hn)
         return forward
 
@@ -232,10 +243,9 @@ def tree_branch_logits(gpt, stem: StemKV, keep: torch.Tensor, layout: BranchLayo
     for i, core in enumerate(cores):
         core.forward = tree(i, core)
     try:
-        ids = branch_ids.to(torch.int64)[None]
-        logits = gpt(ids, pos[None], None)
+        logits = gpt(ids[None], pos[None], None)
     finally:
         del rope.forward
         for core in cores:
             del core.forward
-    return logits[0]
+    return logits[0, :0] if empty else logits[0]

@@ -107,13 +107,13 @@ class DraftStage:
         self.hooks.enabled = False
         self.trainer: Optional[OnlineDraftTrainer] = None
         # draft.branches: on_policy (SpecOPD): the stem's keys/values of the log-prob forward,
-        # captured for the branch tokens' tree forward (validation: PP = CP = 1, block drafters)
+        # captured for the branch tokens' tree forward (validation: PP = 1, block drafters)
         self.on_policy = d.branches == "on_policy"
         self.stem = None
         if self.on_policy:
-            if self.pp > 1 or self.cp > 1:
-                raise NotImplementedError(f"draft.branches: on_policy runs at PP = CP = 1 (got PP={self.pp}, "
-                                          f"CP={self.cp}); validation refuses the others")
+            if self.pp > 1:
+                raise NotImplementedError(f"draft.branches: on_policy runs at PP = 1 (got PP={self.pp}); "
+                                          "validation refuses it")
             from cotrain.parallel.megatron_adapter import StemKV
 
             self.stem = StemKV(model.module)
@@ -205,14 +205,20 @@ class DraftStage:
         from cotrain.parallel.megatron_adapter import tree_branch_logits
         from cotrain.rl.sampling_filter import filter_active, keep_mask
 
+        from megatron.core import parallel_state as ps
+
         S = rows.width
-        keep = torch.cat([i * S + torch.arange(int(n)) for i, n in enumerate(rows.lengths.tolist())])
+        if self.cp > 1:  # whole rows, padding included: the rank's zigzag shard as captured
+            keep = torch.arange(len(rows) * (S // self.cp))
+        else:  # the rows without their padding (the drafter's packing at CP = 1)
+            keep = torch.cat([i * S + torch.arange(int(n)) for i, n in enumerate(rows.lengths.tolist())])
+        group = ps.get_context_parallel_group() if self.cp > 1 else None
         s = self.cfg.rollout.sampling
 
         def score(layout, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             enabled, self.hooks.enabled = self.hooks.enabled, False  # the tree forward writes no taps
             try:
-                logits = tree_branch_logits(self.model.module, self.stem, keep, layout, tokens, positions)
+                logits = tree_branch_logits(self.model.module, self.stem, keep, layout, tokens, positions, group)
             finally:
                 self.hooks.enabled = enabled
             if self.tp > 1:  # vocab-parallel -> full vocabulary, as the stem's logits

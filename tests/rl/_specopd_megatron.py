@@ -68,3 +68,59 @@ def tree_rank(rank: int, world: int, model_path: str, tensor: int = 1) -> dict:
     ps.destroy_model_parallel()
     return {"stem_logits": stem_logits.reshape(b * S, -1)[keep], "branch_logits": logits,
             "plain_equal": bool(torch.equal(plain, stem_logits))}
+
+
+def cp_rows(vocab: int, cp: int, only_rank0: bool = False, seed: int = 0):
+    """Right-padded rows (S divisible by 2 * cp), anchors as (row, in-row position) -> packed over whole
+    rows (the layout at CP > 1: padding included). ``only_rank0``: anchors all in rank 0's chunks
+    (rank 1 then holds no branch and must still take part in the ring)."""
+    inputs, lengths, _, _, _, _ = rows(vocab, seed)
+    b, S = inputs.shape
+    g = torch.Generator().manual_seed(seed + 1)
+    if only_rank0:  # chunk 0 of every row: positions 0 .. S / (2 cp) - 1
+        where = [(0, 0), (0, 2), (1, 1), (2, 0), (2, 5)]
+    else:
+        where = [(0, 0), (0, 3), (0, 4), (0, 12), (1, 0), (1, 5), (2, 0), (2, 7), (2, 8), (2, 13), (2, 20)]
+    anchors = torch.tensor([i * S + p for i, p in where])
+    tokens = torch.randint(4, vocab, (anchors.numel(), WIDTH), generator=g)
+    return inputs, lengths, anchors, tokens, where
+
+
+def tree_rank_cp(rank: int, world: int, model_path: str, only_rank0: bool = False) -> dict:
+    from cotrain.models.megatron_compat import apply_cpu_compat, model_parallel_manual_seed
+
+    apply_cpu_compat()
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from cotrain.models.hf_io import load_hf_checkpoint
+    from cotrain.models.megatron_model import build_gpt_model, gpt_layer_spec, load_hf_weights, transformer_config
+    from cotrain.parallel import BranchLayout
+    from cotrain.parallel.megatron_adapter import CPBranchCoreAttention, StemKV, tree_branch_logits
+
+    ps.initialize_model_parallel(context_parallel_size=world)
+    model_parallel_manual_seed(0)
+    arch, _, hf_state = load_hf_checkpoint(model_path)
+    gpt = build_gpt_model(arch, transformer_config(arch), layer_spec=gpt_layer_spec(arch, core_attention=CPBranchCoreAttention))
+    load_hf_weights(gpt, hf_state, arch)
+    gpt.eval()
+    inputs, lengths, anchors, tokens, where = cp_rows(arch.vocab_size, world, only_rank0)
+    b, S = inputs.shape
+    local = get_batch_on_this_cp_rank({"tokens": inputs})["tokens"]
+    group = ps.get_context_parallel_group()
+    cu = torch.arange(0, b * S + 1, S)
+    layout = BranchLayout(cu, anchors, torch.full_like(anchors, WIDTH), context="inclusive", intra="causal",
+                          cp_size=world)
+    mine = layout.local_branches(rank)
+    stem = StemKV(gpt)
+    with torch.no_grad():
+        stem.active = True
+        stem_logits = gpt(local, torch.arange(local.shape[1])[None].expand(b, -1), None)
+        stem.active = False
+        pos = torch.tensor([p for _, p in where])[mine][:, None] + 1 + torch.arange(WIDTH)[None]
+        logits = tree_branch_logits(gpt, stem, torch.arange(local.numel()), layout, tokens[mine].reshape(-1),
+                                    pos.reshape(-1), group)
+    stem.remove()
+    ps.destroy_model_parallel()
+    return {"mine": mine, "branch_logits": logits, "stem_logits": stem_logits.reshape(local.numel(), -1),
+            "index": layout.zigzag_index(rank)}

@@ -38,8 +38,10 @@ DRAFT = ["draft.kind=dflash", "draft.dflash.block_size=5", "draft.dflash.anchors
          "draft.cotrain=true", "draft.optimizer.lr=0.5", "draft.optimizer.eps=1.0", "draft.optimizer.clip_grad=0.0"]
 RUNS = {"teacher_forced": [], "on_policy": ["draft.branches=on_policy"],
         "on_policy_dp2": ["draft.branches=on_policy", "policy.parallel.data=2"],
-        "on_policy_tp2": ["draft.branches=on_policy", "policy.parallel.tensor=2"]}
-DRAFT_ATOL = {"on_policy_dp2": 1e-6, "on_policy_tp2": 2e-5}
+        "on_policy_tp2": ["draft.branches=on_policy", "policy.parallel.tensor=2"],
+        "teacher_forced_cp2": ["policy.parallel.context=2"],
+        "on_policy_cp2": ["draft.branches=on_policy", "policy.parallel.context=2"]}
+DRAFT_ATOL = {"on_policy_dp2": 1e-6, "on_policy_tp2": 2e-5, "on_policy_cp2": 2e-5}
 
 
 def config(name):
@@ -75,6 +77,36 @@ def test_megatron_tree_forward_equals_plain_hf_forward_on_every_branch_prefix(ti
     assert (ref[1:M.WIDTH] - ref[0:M.WIDTH - 1]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("only_rank0", [False, True], ids=["spread", "rank1_holds_none"])
+def test_megatron_tree_forward_at_cp2_equals_plain_hf_forward(tiny_model_path, only_rank0):
+    """CP = 2: the zigzag stem shards captured on each rank, each branch scored on its anchor's rank
+    (the ring brings the other rank's stem keys); a rank holding no branch still takes part."""
+    import _specopd_megatron as M
+    from _cp_dist import run_world
+
+    from cotrain.draft.taps import load_hf_target
+
+    res = run_world(M.tree_rank_cp, 2, str(tiny_model_path), only_rank0)
+    hf = load_hf_target(tiny_model_path)
+    inputs, lengths, anchors, tokens, where = M.cp_rows(hf.config.vocab_size, 2, only_rank0)
+    held = sorted(i for r in res for i in r["mine"].tolist())
+    assert held == list(range(len(where)))  # every branch on exactly one rank
+    if only_rank0:
+        assert res[1]["mine"].numel() == 0 and res[1]["branch_logits"].shape[0] == 0
+    else:
+        assert min(r["mine"].numel() for r in res) > 0
+    with torch.no_grad():
+        for r in res:
+            got, ref = [], []
+            for k, bi in enumerate(r["mine"].tolist()):
+                i, p = where[bi]
+                for j in range(1, M.WIDTH + 1):
+                    ref.append(hf(input_ids=torch.cat([inputs[i, :p + 1], tokens[bi, :j]])[None]).logits[0, -1])
+                    got.append(r["branch_logits"][k * M.WIDTH + j - 1])
+            if ref:
+                torch.testing.assert_close(torch.stack(got), torch.stack(ref), atol=1e-4, rtol=1e-4)
+
+
 # ------------------------------------------------------------------------------- the trainer
 @pytest.fixture(scope="module")
 def runs(tiny_model_path):
@@ -102,8 +134,9 @@ def runs(tiny_model_path):
     return out
 
 
-def test_policy_step_is_bit_identical_with_on_policy_or_teacher_forced_branches(runs):
-    tf, op = runs["teacher_forced"], runs["on_policy"]
+@pytest.mark.parametrize("cp", ["", "_cp2"])
+def test_policy_step_is_bit_identical_with_on_policy_or_teacher_forced_branches(runs, cp):
+    tf, op = runs["teacher_forced" + cp], runs["on_policy" + cp]
     assert op["draft"]["draft/branch_tokens"] > 0  # the tree forward did run
     assert torch.equal(op["lp"], tf["lp"])
     for k in ("loss", "grad_norm", "clip_frac"):
@@ -118,10 +151,10 @@ def test_policy_step_is_bit_identical_with_on_policy_or_teacher_forced_branches(
 def test_drafter_on_policy_step_equals_the_offline_specopd_computation(runs, tiny_model_path):
     """Reference, in this process: HF taps and logits of the same rows; per microbatch of 4 rows
     (the trainer's), the anchors of each row's seed, branches sampled by the drafter with the
-    microbatch's branch seed, scored by specopd.tree_target_logits on the HF policy, E2E-TV;
+    branches' draws, scored by specopd.tree_target_logits on the HF policy, E2E-TV;
     gradients summed over microbatches, divided by the total weight, one AdamW step."""
     from cotrain.draft import specopd
-    from cotrain.draft.online import anchor_seed, branch_seed, sample_block_anchors, RolloutRows, to_draft_batch
+    from cotrain.draft.online import anchor_seed, branch_uniforms, sample_block_anchors, RolloutRows, to_draft_batch
     from cotrain.draft.optim import lr_at, make_optimizer, set_lr
     from cotrain.draft.registry import build_drafter
     from cotrain.draft.taps import TargetSpec, compute_taps, load_hf_target
@@ -146,8 +179,10 @@ def test_drafter_on_policy_step_equals_the_offline_specopd_computation(runs, tin
         batch, _ = to_draft_batch(rows, taps[sl].reshape(4 * S, -1), logits[sl].reshape(4 * S, -1))
         anchors = sample_block_anchors(drafter, batch, [anchor_seed(seed, step, s) for s in range(lo, lo + 4)], per_seq)
         layout = drafter.build_layout(batch, anchors=anchors)
-        g = torch.Generator().manual_seed(branch_seed(seed, step, lo))
-        br = specopd.sample_branches(drafter, batch, layout, g, temperature=1.0, eos_token_id=target.eos_token_id)
+        seq = batch.seq_of[anchors]
+        u = branch_uniforms(seed, step, lo + seq, anchors - batch.cu_seqlens[seq], drafter.draft_width)
+        br = specopd.sample_branches(drafter, batch, layout, temperature=1.0, eos_token_id=target.eos_token_id,
+                                     uniforms=u)
         with torch.no_grad():
             scores = specopd.tree_target_logits(hf, batch.input_ids, batch.cu_seqlens, br)
         p = specopd.branch_target_probs(scores, br, temperature=TEMPERATURE)
@@ -172,10 +207,11 @@ def test_drafter_on_policy_step_equals_the_offline_specopd_computation(runs, tin
         torch.testing.assert_close(w, after[name], atol=2e-5, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("name", ["on_policy_dp2", "on_policy_tp2"])
-def test_drafter_on_policy_step_is_the_same_at_dp2_and_tp2(runs, name):
-    """Anchors per row, branch draws per microbatch (the same rows at DP = 2), every TP rank a
-    replica on the TP-gathered logits: the same step as one rank."""
+@pytest.mark.parametrize("name", ["on_policy_dp2", "on_policy_tp2", "on_policy_cp2"])
+def test_drafter_on_policy_step_is_the_same_at_dp2_tp2_cp2(runs, name):
+    """Anchors per row and draws per branch (functions of the row and the anchor alone), every TP
+    rank a replica on the TP-gathered logits, under CP each branch drafted and scored on its
+    anchor's rank: the same step as one rank."""
     base, other = runs["on_policy"], runs[name]
     for k in ("draft/loss", "draft/grad_norm", "draft/acceptance_offline", "draft/chains", "draft/positions",
               "draft/branch_tokens"):
@@ -188,8 +224,6 @@ def test_drafter_on_policy_step_is_the_same_at_dp2_and_tp2(runs, name):
 @pytest.mark.parametrize("extra, key, fragment", [
     (["policy.parallel.pipeline=2"], "policy.parallel.pipeline",
      "draft.branches: on_policy is not available with policy.parallel.pipeline > 1 yet"),
-    (["policy.parallel.context=2"], "policy.parallel.context",
-     "draft.branches: on_policy is not available with policy.parallel.context > 1 yet"),
     (["draft.kind=eagle3", "draft.loss=e2e_tv"], "draft.branches", "needs a block drafter (allowed kinds: dflash, dspark)"),
 ])
 def test_on_policy_refuses_what_is_not_built(extra, key, fragment):
@@ -200,7 +234,25 @@ def test_on_policy_refuses_what_is_not_built(extra, key, fragment):
 
 
 def test_on_policy_is_accepted_where_it_is_built():
-    for name in ("on_policy", "on_policy_dp2", "on_policy_tp2"):
+    for name in ("on_policy", "on_policy_dp2", "on_policy_tp2", "on_policy_cp2"):
         assert config(name).draft.branches == "on_policy"
     cfg = load_config("configs/demo.yaml", ["draft.branches=on_policy", "draft.loss=e2e_tv"])
     assert cfg.draft.kind == "dflash" and cfg.draft.branches == "on_policy"
+
+
+# ------------------------------------------------------------------------------- the draws
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_inverse_cdf_draws_follow_the_drafters_distribution(temperature):
+    """At N evenly spaced uniforms (k + 1/2) / N the inverse-CDF draw gives token v exactly
+    round(N * cdf) - round(N * cdf_prev) times: within one of N * softmax(l / T)_v, every token."""
+    from cotrain.draft.specopd import _draw
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 128, generator=g) * 3
+    N = 4000
+    u = ((torch.arange(N) + 0.5) / N)[None].expand(3, N)
+    y = _draw(logits[:, None, :].expand(3, N, 128), temperature, None, u)
+    p = torch.softmax(logits / temperature, -1)
+    for r in range(3):
+        counts = torch.bincount(y[r], minlength=128).double()
+        assert (counts - N * p[r].double()).abs().max() <= 1.0 + 1e-6
