@@ -43,6 +43,9 @@ def test_block_and_k_choices_are_validated():
 def test_cli_refuses_a_block_that_cannot_draft_k(capsys):
     assert bench.main(["--quick", "--k", "7", "--block-size", "7"]) == 2  # before any model is loaded
     assert "drafts at most 6" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert bench.main(["--quick", "--kind", "dspark"]) == 2
+        assert "GPU only" in capsys.readouterr().err
     assert bench.main(["--quick", "--tput-long-rounds", "5"]) == 2  # 6 x 4 positions are not 5 rounds each
     assert "must divide" in capsys.readouterr().err
     with pytest.raises(SystemExit):
