@@ -205,6 +205,7 @@ def quick(tmp_path_factory):
     return json.loads(out.read_text()), out
 
 
+@pytest.mark.slow  # a vLLM engine and 40 training steps in a subprocess: 15-70 s
 def test_quick_bench_acceptance_recomputed_from_vllm_rounds(quick, hf_target):
     data, out = quick
     c, s = data["config"], data["summary"]
@@ -260,6 +261,7 @@ def test_quick_bench_acceptance_recomputed_from_vllm_rounds(quick, hf_target):
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
+@pytest.mark.slow  # a vLLM engine and 40 training steps in a subprocess: 15-70 s
 def test_quick_bench_same_budget_for_the_three_objectives(quick):
     data, _ = quick
     c = data["config"]
@@ -277,6 +279,7 @@ def test_quick_bench_same_budget_for_the_three_objectives(quick):
     assert len({data["training"][sd]["offpolicy_ce"]["batches_sha"] for sd in seeds}) == len(seeds)
 
 
+@pytest.mark.slow  # a vLLM engine and 40 training steps in a subprocess: 15-70 s
 def test_quick_bench_throughput_recomputed_and_interleaved(quick):
     data, _ = quick
     tp, t = data["throughput"], data["summary"]["throughput"]
