@@ -7,8 +7,8 @@
   At TP = 2 too (vocab-parallel logits gathered).
 - The policy's step is bit-identical with on-policy and teacher-forced branches: the drafter's
   objective never reaches the policy.
-- The drafter's on-policy step inside the trainer equals an independent one-process computation
-  with cotrain.draft.specopd's offline functions (HF taps and logits, HF tree forward, the same
+- The drafter's on-policy step inside the trainer (DFlash and DSpark) equals an independent
+  one-process computation with cotrain.draft.specopd's offline functions (HF taps and logits, HF tree forward, the same
   anchors and branch seeds): loss, gradient norm and the weights after one AdamW step; DP = 2
   and TP = 2 take the same step as one rank.
 - Validation: what is not built (PP > 1, CP > 1, EAGLE-3, transformer-engine attention) is refused
@@ -40,7 +40,9 @@ RUNS = {"teacher_forced": [], "on_policy": ["draft.branches=on_policy"],
         "on_policy_dp2": ["draft.branches=on_policy", "policy.parallel.data=2"],
         "on_policy_tp2": ["draft.branches=on_policy", "policy.parallel.tensor=2"],
         "teacher_forced_cp2": ["policy.parallel.context=2"],
-        "on_policy_cp2": ["draft.branches=on_policy", "policy.parallel.context=2"]}
+        "on_policy_cp2": ["draft.branches=on_policy", "policy.parallel.context=2"],
+        "on_policy_dspark": ["draft.branches=on_policy", "draft.kind=dspark", "draft.dspark.block_size=4",
+                             "draft.dspark.anchors_per_seq=3"]}
 DRAFT_ATOL = {"on_policy_dp2": 1e-6, "on_policy_tp2": 2e-5, "on_policy_cp2": 2e-5}
 
 
@@ -148,7 +150,8 @@ def test_policy_step_is_bit_identical_with_on_policy_or_teacher_forced_branches(
     assert op["draft"]["draft/loss"] != tf["draft"]["draft/loss"]
 
 
-def test_drafter_on_policy_step_equals_the_offline_specopd_computation(runs, tiny_model_path):
+@pytest.mark.parametrize("name", ["on_policy", "on_policy_dspark"])
+def test_drafter_on_policy_step_equals_the_offline_specopd_computation(runs, tiny_model_path, name):
     """Reference, in this process: HF taps and logits of the same rows; per microbatch of 4 rows
     (the trainer's), the anchors of each row's seed, branches sampled by the drafter with the
     branches' draws, scored by specopd.tree_target_logits on the HF policy, E2E-TV;
@@ -159,11 +162,11 @@ def test_drafter_on_policy_step_equals_the_offline_specopd_computation(runs, tin
     from cotrain.draft.registry import build_drafter
     from cotrain.draft.taps import TargetSpec, compute_taps, load_hf_target
 
-    cfg = config("on_policy")
-    r = runs["on_policy"]
+    cfg = config(name)
+    r = runs[name]
     b = r["batch"]
     target = TargetSpec.from_checkpoint(tiny_model_path)
-    drafter = build_drafter("dflash", cfg.draft.settings, target, seed=cfg.run.seed).train()
+    drafter = build_drafter(cfg.draft.kind, cfg.draft.settings, target, seed=cfg.run.seed).train()
     for name, w in drafter.vllm_state_dict().items():  # the same initial drafter as the trainer's
         if name in r["draft_init"]:
             assert torch.equal(r["draft_init"][name], w), name
