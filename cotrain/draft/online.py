@@ -30,6 +30,12 @@ draws the same anchors and the draw does not depend on the DP / PP / CP layout.
 With ``anchor_sampling: balanced`` the anchors of a microbatch are drawn in one stratified draw per
 CP group instead (even attention work across CP ranks; the draw then depends on the CP size).
 
+On-policy branches (``draft.branches: on_policy``, SpecOPD: :mod:`cotrain.draft.specopd`): at the
+same anchors the drafter samples its own branches (draws by inverse CDF at uniforms that depend on
+the row and the anchor alone, :func:`branch_uniforms`), a ``scorer`` from the trainer returns the
+policy's logits at the branch tokens (its tree forward, docs/cotrain.md), and the loss runs on the
+branch positions against those fixed distributions (:meth:`OnlineDraftTrainer._on_policy`).
+
 Acceptance (``acceptance_offline``): on the step's chains, 1 + the number of leading drafts equal
 to the policy's greedy token at their position, over the first ``k`` drafts (teacher forcing on the
 rollout tokens; see :mod:`cotrain.draft.acceptance`).
@@ -174,7 +180,6 @@ class OnlineDraftTrainer:
             if not isinstance(drafter, BlockDrafter):
                 raise NotImplementedError(f"draft.branches: on_policy needs a block drafter (dflash, dspark), not "
                                           f"{drafter.kind}")
-
         self.loss_extra = {n: float(getattr(draft_cfg.settings, n)) for n in ("l1_weight", "confidence_weight")
                            if hasattr(draft_cfg.settings, n)}
         self.total_steps = int(total_steps)

@@ -26,6 +26,11 @@ they are copied from the current policy: the embedding from the first stage (gat
 broadcast over the pipeline when PP > 1: V x H values per step), the LM head from the last stage.
 The policy's vocab-parallel logits are gathered over TP (b x S x V values per microbatch per TP
 rank) so that the drafter's loss sees the full distribution.
+
+With ``draft.branches: on_policy`` (PP = 1) the log-prob forward also keeps every layer's stem keys
+and values of the current microbatch (:class:`~cotrain.parallel.megatron_adapter.StemKV`), and the
+drafter's trainer gets a scorer that runs the policy over its branch tokens on them
+(:func:`~cotrain.parallel.megatron_adapter.tree_branch_logits`; docs/cotrain.md).
 """
 
 from __future__ import annotations
