@@ -316,6 +316,11 @@ MUTANTS: list[Mutant] = [
       ["tests/rl/test_cotrain_specopd.py::test_megatron_tree_forward_equals_plain_hf_forward_on_every_branch_prefix"],
       "the branch tokens attend as one causal chain: each sees every earlier branch (and the stem up to the "
       "first anchor) instead of only its own ancestors"),
+    M("specopd.branch_logits_untempered", "cotrain/rl/draft_stage.py",
+      "logits = logits.float() / (s.temperature or 1.0)", "logits = logits.float()",
+      ["tests/rl/test_cotrain_specopd.py::test_drafter_on_policy_step_equals_the_offline_specopd_computation"],
+      "the policy's branch-token logits not tempered (p_2.. at T = 1 while p_1, from the stem, is at the "
+      "sampling temperature)"),
     # ----- cotrain/config ---------------------------------------------------------------------------------------
     M("config.shallow_merge", "cotrain/config/loader.py",
       "if isinstance(value, dict) and isinstance(out.get(key), dict):", "if False:",
