@@ -91,7 +91,7 @@ def _draw(logits: torch.Tensor, temperature: float, generator: Optional[torch.Ge
         return logits.argmax(-1)
     if uniforms is not None:
         cdf = torch.cumsum(F.softmax(logits.detach().float() / temperature, dim=-1), dim=-1)
-        u = uniforms.to(cdf.dtype)[..., None] * cdf[..., -1:]
+        u = uniforms.to(device=cdf.device, dtype=cdf.dtype)[..., None] * cdf[..., -1:]
         return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=logits.shape[-1] - 1)
     probs = F.softmax(logits.detach().float() / temperature, dim=-1)
     flat = probs.reshape(-1, probs.shape[-1])

@@ -242,6 +242,8 @@ def tree_branch_logits(gpt, stem: StemKV, keep: torch.Tensor, layout: BranchLayo
     rope.forward = rotary
     for i, core in enumerate(cores):
         core.forward = tree(i, core)
+    device = gpt.embedding.word_embeddings.weight.device
+    ids, pos = ids.to(device), pos.to(device)
     try:
         logits = gpt(ids[None], pos[None], None)
     finally:
