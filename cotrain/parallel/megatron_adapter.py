@@ -175,7 +175,8 @@ class StemKV:
 
     def packed(self, i: int, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's keys and values as packed rows [len(keep), ng, hn]: ``keep`` indexes the
-        microbatch's b * s positions row after row (the rows without their padding)."""
+        microbatch's b * s positions row after row (at CP = 1 the rows without their padding; at
+        CP > 1 every row of the rank's zigzag shard, padding included, as the drafter's layout)."""
         k, v = self.kv[i]
         flat = lambda x: x.transpose(0, 1).reshape(-1, x.shape[2], x.shape[3])  # noqa: E731
         return flat(k)[keep], flat(v)[keep]
