@@ -276,6 +276,14 @@ class OnlineDraftTrainer:
                 self._step_counts += token_counts(batch.input_ids, batch.loss_mask, vocab.vocab_size)
             greedy = (drafted == p.source.argmax(-1)[p.rows_index]) & valid
             lens = accept_lengths(greedy, self.k) * first  # chains whose first draft is supervised
+        self._accumulate(m, weight, n, lens, first)
+        self._stats["microbatches"] += 1
+        self._seconds += time.perf_counter() - t0
+        return m
+
+    def _accumulate(self, m: dict, weight, n, lens: torch.Tensor, first: torch.Tensor) -> None:
+        """Add one microbatch's loss (weighted), overlap / top-1 (per supervised position) and accepted
+        lengths (per chain with a supervised first draft) to the step's sums (device tensors)."""
         st = self._stats
         st["loss_sum"] += m["loss"] * weight
         st["weight"] += weight
@@ -284,9 +292,6 @@ class OnlineDraftTrainer:
         st["positions"] += n
         st["accept_sum"] += lens.sum()
         st["chains"] += first.sum()
-        st["microbatches"] += 1
-        self._seconds += time.perf_counter() - t0
-        return m
 
     def _on_policy(self, rows: RolloutRows, batch: DraftBatch, local_logits: torch.Tensor, layout,
                    scorer: Callable) -> dict[str, torch.Tensor]:
@@ -351,13 +356,7 @@ class OnlineDraftTrainer:
             greedy = (out.logits.argmax(-1) == best) & out.valid
             lens = accept_lengths(greedy, self.k) * out.valid[:, 0]
         self._timers["eval_s"] += time.perf_counter() - t1
-        st["loss_sum"] += m["loss"] * weight
-        st["weight"] += weight
-        st["overlap_sum"] += m["overlap"] * n
-        st["top1_sum"] += m["top1_match"] * n
-        st["positions"] += n
-        st["accept_sum"] += lens.sum()
-        st["chains"] += out.valid[:, 0].sum()
+        self._accumulate(m, weight, n, lens, out.valid[:, 0])
         return m
 
     def end_step(self) -> dict[str, float]:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from cotrain.draft.common import BranchAttention, DraftOutput
 from cotrain.draft.eagle3 import Eagle3Drafter
+from cotrain.draft.losses import _weights  # the same weighting as the chunked losses
 from cotrain.parallel import BranchLayout, cp_branch_attention, dense_branch_attention, eagle3_ttt_layout
 
 
@@ -102,13 +103,6 @@ def dense_attention():
 
 
 # ----------------------------------------------------------------------------------------- losses
-def _weights(valid: torch.Tensor, loss_weight: Optional[torch.Tensor]) -> torch.Tensor:
-    w = valid.to(torch.float32)
-    if loss_weight is not None:
-        w = w * loss_weight.to(w.device, torch.float32)[None, :]
-    return w
-
-
 def _wmean(values: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     den = w.sum()
     if float(den) == 0.0:
