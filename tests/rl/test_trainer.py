@@ -200,7 +200,10 @@ def test_second_step_matches_a_first_principles_grpo_loss(two_steps, tiny_model_
     assert m["grad_norm"] == pytest.approx(gn, rel=1e-4)
     assert m["clip_frac"] == pytest.approx(clip_frac.item(), abs=1e-6)
     assert m["kl_ref"] == pytest.approx(kl_ref.item(), rel=1e-3)
-    assert 1e-3 < kl_ref.item() < 5  # the reference differs from the policy: the KL term is exercised
+    # the reference differs from the policy: the KL term is exercised. The unclamped k3 mean is heavy-tailed
+    # (one token at d = log ref - log pi = 8 contributes e^8): 0.1-5 on one build of the tiny model, 2998 on
+    # another (this machine's, at 0db3c28 too), so only its finiteness is bounded above
+    assert 1e-3 < kl_ref.item() < float("inf")
     # the check can fail: swapped clip bounds, or no dual clip, give another loss
     with torch.no_grad():
         lp = logp.detach()
