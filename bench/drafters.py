@@ -484,6 +484,15 @@ def paths_markdown(data: dict) -> str:
     return "\n".join(lines)
 
 
+def ratio_bars(ax, xs: list[float], ratios: list[dict], width: float, dot_size: float, **bar_kw) -> None:
+    """Bars at the medians of ``ratios`` (each a :func:`spread` with its ``per_round`` values) with
+    min-max error bars and every round's value as a dot."""
+    ax.bar(xs, [v["median"] for v in ratios], width,
+           yerr=[[v["median"] - v["min"] for v in ratios], [v["max"] - v["median"] for v in ratios]], **bar_kw)
+    for xi, v in zip(xs, ratios):
+        ax.plot([xi] * len(v["per_round"]), v["per_round"], ".", color="k", ms=dot_size)
+
+
 def paths_plot(data: dict, path: Path) -> None:
     import matplotlib
 
@@ -493,12 +502,8 @@ def paths_plot(data: dict, path: Path) -> None:
     kinds = list(data["families"])
     fig, ax = plt.subplots(figsize=(7, 3.8))
     for j, (key, label) in enumerate((("time_ratio", "step time"), ("peak_ratio", "peak step memory"))):
-        xs = [i + (j - 0.5) * 0.38 for i in range(len(kinds))]
-        r = [data["families"][k][key] for k in kinds]
-        ax.bar(xs, [v["median"] for v in r], 0.36, label=f"{label} (median, range)", alpha=0.8,
-               yerr=[[v["median"] - v["min"] for v in r], [v["max"] - v["median"] for v in r]], capsize=3)
-        for xi, v in zip(xs, r):
-            ax.plot([xi] * len(v["per_round"]), v["per_round"], ".", color="k", ms=3)
+        ratio_bars(ax, [i + (j - 0.5) * 0.38 for i in range(len(kinds))], [data["families"][k][key] for k in kinds],
+                   0.36, dot_size=3, label=f"{label} (median, range)", alpha=0.8, capsize=3)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(range(len(kinds)), [NAMES[k] for k in kinds])
     ax.set_ylabel("after / before (per round)")
@@ -792,12 +797,8 @@ def plot(data: dict, path: Path) -> None:
     ws = list(data["ratios"])
     width = 0.8 / max(1, len(served))
     for j, k in enumerate(served):
-        xs = [i - 0.4 + width * (j + 0.5) for i in range(len(ws))]
-        r = [data["ratios"][w][k] for w in ws]
-        a.bar(xs, [v["median"] for v in r], width, color=f"C{j}", alpha=0.75, label=f"{NAMES[k]} (median, range)",
-              yerr=[[v["median"] - v["min"] for v in r], [v["max"] - v["median"] for v in r]], capsize=2)
-        for xi, v in zip(xs, r):
-            a.plot([xi] * len(v["per_round"]), v["per_round"], ".", color="k", ms=2.5)
+        ratio_bars(a, [i - 0.4 + width * (j + 0.5) for i in range(len(ws))], [data["ratios"][w][k] for w in ws],
+                   width, dot_size=2.5, color=f"C{j}", alpha=0.75, label=f"{NAMES[k]} (median, range)", capsize=2)
     a.axhline(1.0, color="k", lw=0.8)
     a.set_xticks(range(len(ws)), ws)
     a.set_ylabel("tokens/s with spec / without (per round)")
