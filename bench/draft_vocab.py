@@ -145,19 +145,10 @@ class Arm:
         return dt
 
     def peak_step_mib(self, batch) -> float:
-        """Peak tensor memory allocated during one step above the level before it: the PyTorch
-        profiler's allocation and free events in time order, running sum, maximum."""
-        from torch.profiler import ProfilerActivity, profile
+        """Peak tensor memory one step allocates above the level before it (bench.measure)."""
+        from bench.measure import peak_allocated_mib
 
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            self.step(batch)
-        events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                        if e.name() == "[memory]")
-        cur = peak = 0
-        for _, nbytes in events:
-            cur += nbytes
-            peak = max(peak, cur)
-        return peak / 2**20
+        return peak_allocated_mib(lambda: self.step(batch))
 
     def state_mib(self) -> float:
         """Parameters + gradients + Adam's two moments (what persists between steps)."""

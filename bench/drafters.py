@@ -341,17 +341,10 @@ class PathArm:
         return dt
 
     def peak_step_mib(self) -> float:
-        """Peak tensor memory one step allocates above the level before it (profiler allocation events)."""
-        from torch.profiler import ProfilerActivity, profile
+        """Peak tensor memory one step allocates above the level before it (bench.measure)."""
+        from bench.measure import peak_allocated_mib
 
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            self.step()
-        events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-        cur = peak = 0
-        for _, nbytes in events:
-            cur += nbytes
-            peak = max(peak, cur)
-        return peak / 2**20
+        return peak_allocated_mib(self.step)
 
 
 def run_train_paths(a) -> dict:
