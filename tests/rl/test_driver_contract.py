@@ -158,7 +158,7 @@ def _metrics(out: Path) -> dict[int, dict]:
 
 def test_the_driver_runs_the_algorithm_in_order(tmp_path):
     workers = FakeWorkers()
-    run = _run(_cfg(tmp_path), workers)
+    _run(_cfg(tmp_path), workers)
     expected = [("export_draft_dir",), ("rollout", True), ("connect",)]
     exports = 0
     for step in range(1, STEPS + 1):
