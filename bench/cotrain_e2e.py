@@ -6,6 +6,10 @@ Arms (every arm a complete GRPO run of the same config, seeds and prompts; all a
     plain_seed1      the same with run.seed = 1                                   (run-to-run noise band)
     frozen_<kind>    the offline-distilled drafter served frozen (draft.cotrain = false)
     cotrained_<kind> the same drafter as the starting point, co-trained online (draft.cotrain = true)
+                     on teacher-forced chains of the rollout tokens (draft.branches = teacher_forced)
+    cotrained_<kind>_on_policy
+                     the same, co-trained on SpecOPD branches it samples itself (draft.branches =
+                     on_policy; ``--branches teacher_forced,on_policy``; DFlash / DSpark)
     suffix           model-free peer: vLLM's suffix decoding, its global tree fed by the run's own
                      earlier responses (the engine lives for the whole run; needs arctic-inference)
     ngram            model-free peer: prompt lookup (n-gram matches in the request's own tokens)
@@ -42,6 +46,8 @@ seconds per phase of every arm.
     python bench/cotrain_e2e.py --steps 10 --kinds dflash
     python bench/cotrain_e2e.py --schedule runs/schedule.yaml   # speculation by batch size (calibrate)
     python bench/cotrain_e2e.py --peers none              # drafters only
+    python bench/cotrain_e2e.py --kinds dflash --branches teacher_forced,on_policy --plain-seeds 1
+                                                         # co-training objectives side by side
     python bench/cotrain_e2e.py --quick                  # smoke test: the tiny model, 2 steps, DFlash, n-gram
 """
 
@@ -79,8 +85,30 @@ def resolve_peers(spec: str) -> list[str]:
     return peers
 
 
-def arm_overrides(base: str, kind: str | None, mode: str, k: int, schedule: str | None) -> list[str]:
-    """Overrides turning the base config into one arm (``mode`` 'plain', 'frozen', 'cotrained' or a peer)."""
+BRANCHES = ("teacher_forced", "on_policy")
+
+
+def resolve_branches(spec: str, kinds: list[str]) -> list[str]:
+    """``--branches``: the co-training objectives to run as arms (one co-trained arm per family each)."""
+    branches = [b for b in spec.split(",") if b]
+    bad = [b for b in branches if b not in BRANCHES]
+    if bad or not branches:
+        raise SystemExit(f"--branches: {(bad or [spec])[0]!r} is not a branch source (allowed: {', '.join(BRANCHES)})")
+    if "on_policy" in branches and "eagle3" in kinds:
+        raise SystemExit("--branches: on_policy needs a block drafter (dflash, dspark); --kinds has eagle3 "
+                         "(EAGLE-3 has no on-policy branches: docs/drafters.md)")
+    return branches
+
+
+def cotrained_arm(kind: str, branches: str) -> str:
+    """The arm name of ``kind`` co-trained on ``branches`` (teacher-forced keeps the plain name)."""
+    return f"cotrained_{kind}" if branches == "teacher_forced" else f"cotrained_{kind}_{branches}"
+
+
+def arm_overrides(base: str, kind: str | None, mode: str, k: int, schedule: str | None,
+                  branches: str = "teacher_forced") -> list[str]:
+    """Overrides turning the base config into one arm (``mode`` 'plain', 'frozen', 'cotrained' or a peer;
+    ``branches``: the co-trained arm's draft.branches)."""
     if mode in PEERS:  # model-free: no drafter anywhere
         return ["draft.kind=null", f"rollout.speculative.method={mode}",
                 f"rollout.speculative.num_speculative_tokens={k}", "rollout.speculative.batch_size_schedule=null"]
@@ -96,7 +124,7 @@ def arm_overrides(base: str, kind: str | None, mode: str, k: int, schedule: str 
         ov += ["draft.cotrain=false", "draft.init=null",
                f"rollout.speculative.draft_model={ensure_distilled(ROOT / distill) / 'drafter'}"]
     else:
-        ov += ["draft.cotrain=true", f"draft.init=distill:{distill}"]
+        ov += ["draft.cotrain=true", f"draft.init=distill:{distill}", f"draft.branches={branches}"]
     if schedule:
         import yaml
 
@@ -144,7 +172,7 @@ def summarize(arms: dict[str, list[dict]], kinds: list[str], tail: int, peers: l
         return sum(a * w for a, w in v) / sum(w for _, w in v) if v and n else float("nan")
 
     per_arm = {}  # the same keys for every speculative arm: computed once, here
-    for arm in [a for a in arms if not a.startswith("plain")]:
+    for arm in [a for a in arms if not a.startswith("plain")]:  # every speculative arm
         draft = tot(arm, "time/draft")
         per_arm[arm] = {
             "rollout_speedup": tot("plain", "time/rollout") / tot(arm, "time/rollout"),
@@ -172,9 +200,28 @@ def summarize(arms: dict[str, list[dict]], kinds: list[str], tail: int, peers: l
             "per_step_rollout_speedup": c["per_step_rollout_speedup"],
             "per_step_e2e_speedup": c["per_step_e2e_speedup"],
             "per_step_frozen_rollout_speedup": f["per_step_rollout_speedup"],
+            # issue 12's goal: co-trained keeps >= 95% of its first acceptance, frozen loses >= 15%
+            "acceptance_retained": {"frozen": f["acceptance_last"] / f["acceptance_first"],
+                                    "cotrained": c["acceptance_last"] / c["acceptance_first"]},
         }
-    out["noise"] = {"reward_mean_seed0": statistics.mean(m["reward/mean"] for m in arms["plain"]),
-                    "reward_mean_seed1": statistics.mean(m["reward/mean"] for m in arms["plain_seed1"])}
+        op = f"cotrained_{kind}_on_policy"
+        if op in per_arm:  # the two co-training objectives on the same steps
+            o = per_arm[op]
+            acc_ratio = [x["spec/acceptance_length"] / y["spec/acceptance_length"] for x, y in
+                         zip(arms[op], arms[f"cotrained_{kind}"]) if "spec/acceptance_length" in x and y.get("spec/acceptance_length")]
+            out[kind]["on_policy"] = {
+                "acceptance_first": o["acceptance_first"], "acceptance_last": o["acceptance_last"],
+                "acceptance_retained": o["acceptance_last"] / o["acceptance_first"],
+                "rollout_speedup": o["rollout_speedup"], "e2e_speedup": o["e2e_speedup"],
+                "update_overhead": o["update_overhead"],
+                "draft_time_ratio": tot(op, "time/draft") / tot(f"cotrained_{kind}", "time/draft"),
+                "per_step_acceptance_ratio": ({"median": statistics.median(acc_ratio), "min": min(acc_ratio),
+                                               "max": max(acc_ratio)} if acc_ratio else {}),
+                "note": "acceptance ratio = on-policy / teacher-forced co-trained arm's vLLM acceptance on the same step; "
+                        "draft_time_ratio = their summed drafter-step times",
+            }
+    out["noise"] = {key: statistics.mean(m["reward/mean"] for m in arms[n])
+                    for key, n in (("reward_mean_seed0", "plain"), ("reward_mean_seed1", "plain_seed1")) if n in arms}
     out["arms"] = per_arm
     half = len(arms["plain"]) // 2
     out["head_to_head"] = {}
@@ -205,17 +252,19 @@ def plot(result: dict, png: Path) -> None:
     steps = range(1, result["steps"] + 1)
     fig, ax = plt.subplots(1, 4, figsize=(20, 4.2))
     for i, kind in enumerate(kinds):
-        for mode, ls in (("frozen", "--"), ("cotrained", "-")):
-            v = [m.get("spec/acceptance_length", float("nan")) for m in arms[f"{mode}_{kind}"]]
-            ax[0].plot(steps, v, ls, color=f"C{i}", label=f"{kind} {mode}")
+        for name, ls in ((f"frozen_{kind}", "--"), (f"cotrained_{kind}", "-"), (f"cotrained_{kind}_on_policy", "-.")):
+            if name in arms:
+                v = [m.get("spec/acceptance_length", float("nan")) for m in arms[name]]
+                ax[0].plot(steps, v, ls, color=f"C{i}", label=name)
     for i, peer in enumerate(result.get("peers", [])):
         v = [m.get("spec/acceptance_length", float("nan")) for m in arms[peer]]
         ax[0].plot(steps, v, ":", color=f"C{len(kinds) + i}", label=f"{peer} (model-free)")
     ax[0].set_title("vLLM acceptance length")
     for key, a, title in (("reward/mean", ax[1], "reward"), ("kl/ref", ax[2], "KL to the initial policy")):
-        lo = [min(x.get(key, 0), y.get(key, 0)) for x, y in zip(arms["plain"], arms["plain_seed1"])]
-        hi = [max(x.get(key, 0), y.get(key, 0)) for x, y in zip(arms["plain"], arms["plain_seed1"])]
-        a.fill_between(steps, lo, hi, color="0.85", label="plain, seeds 0 and 1")
+        if "plain_seed1" in arms:  # the run-to-run noise band (--plain-seeds 2)
+            lo = [min(x.get(key, 0), y.get(key, 0)) for x, y in zip(arms["plain"], arms["plain_seed1"])]
+            hi = [max(x.get(key, 0), y.get(key, 0)) for x, y in zip(arms["plain"], arms["plain_seed1"])]
+            a.fill_between(steps, lo, hi, color="0.85", label="plain, seeds 0 and 1")
         for j, name in enumerate(n for n in arms if n != "plain_seed1"):
             a.plot(steps, [m.get(key, float("nan")) for m in arms[name]], lw=1, label=name, color=f"C{j}")
         a.set_title(title)
@@ -275,10 +324,14 @@ def run(args) -> dict:
     kinds = [k for k in args.kinds.split(",") if k]
     common = [f"grpo.num_steps={args.steps}", "data.eval.every=0", "logging.progress_bar=false",
               "logging.tensorboard=false", "checkpoint.every=100000", "cluster.cpus_per_node=64", *args.overrides]
-    specs = {"plain": (None, "plain", 0), "plain_seed1": (None, "plain", 1)}
+    branches = resolve_branches(args.branches, kinds)
+    specs = {"plain": (None, "plain", 0, None)}
+    if args.plain_seeds == 2:
+        specs["plain_seed1"] = (None, "plain", 1, None)
     for kind in kinds:
-        specs[f"frozen_{kind}"] = (kind, "frozen", 0)
-        specs[f"cotrained_{kind}"] = (kind, "cotrained", 0)
+        specs[f"frozen_{kind}"] = (kind, "frozen", 0, None)
+        for b in branches:
+            specs[cotrained_arm(kind, b)] = (kind, "cotrained", 0, b)
     peers = resolve_peers(args.peers)
     for peer in peers:
         specs[peer] = (None, peer, 0)
@@ -287,8 +340,8 @@ def run(args) -> dict:
     last: dict[str, list] = {}  # the samples of each arm's latest rollout
     metrics: dict[str, list[dict]] = {n: [] for n in specs}
     try:
-        for name, (kind, mode, seed) in specs.items():
-            ov = common + arm_overrides(base, kind, mode, args.k, args.schedule if kind else None)
+        for name, (kind, mode, seed, b) in specs.items():
+            ov = common + arm_overrides(base, kind, mode, args.k, args.schedule if kind else None, b or "teacher_forced")
             ov += [f"run.seed={seed}", f"run.output_dir={out_root / name}", f"run.name={name}"]
             cfg = load_config(args.config, ov)
             print(f"[setup] {name}", flush=True)
@@ -332,6 +385,7 @@ KEEP = ("time/step", "time/start", "time/end", *PHASES, "time/draft_push", "tap/
 def _result(args, kinds: list[str], peers: list[str], metrics: dict[str, list[dict]], steps: int) -> dict:
     arms = {n: [{k: v for k, v in m.items() if k in KEEP} for m in ms[:steps]] for n, ms in metrics.items()}
     result = {"config": args.config, "steps": steps, "kinds": kinds, "peers": peers, "k": args.k,
+              "branches": args.branches.split(","), "plain_seeds": args.plain_seeds,
               "schedule": args.schedule, "long_tokens": args.long_tokens, "overrides": args.overrides, "arms": arms,
               "machine": machine_info()}
     result["warmup"] = args.warmup
@@ -353,12 +407,17 @@ def report(result: dict) -> str:
                   f"{s['acceptance_last']['cotrained']:.2f}",
                   f"  update-time overhead {100 * s['update_overhead']:.1f}%, tap wait "
                   f"{100 * s['tap_wait_fraction']:.2f}% of the update"]
+        if "on_policy" in s:
+            o = s["on_policy"]
+            lines.append(f"  on-policy co-training: acceptance {o['acceptance_first']:.2f} -> {o['acceptance_last']:.2f}, "
+                         f"per step vs teacher-forced {_rng(o['per_step_acceptance_ratio'])}, drafter time "
+                         f"{o['draft_time_ratio']:.2f}x teacher-forced's, update-time overhead {100 * o['update_overhead']:.1f}%")
     arms = result["summary"].get("arms", {})
     if arms:
-        lines.append(f"{'arm':<18} {'rollout':>8} {'e2e':>6} {'acc first':>9} {'acc last':>8} {'acc short':>9} "
+        lines.append(f"{'arm':<26} {'rollout':>8} {'e2e':>6} {'acc first':>9} {'acc last':>8} {'acc short':>9} "
                      f"{'acc long':>8} {'overhead':>8}")
         for name, a in arms.items():
-            lines.append(f"{name:<18} {a['rollout_speedup']:>7.2f}x {a['e2e_speedup']:>5.2f}x {a['acceptance_first']:>9.2f} "
+            lines.append(f"{name:<26} {a['rollout_speedup']:>7.2f}x {a['e2e_speedup']:>5.2f}x {a['acceptance_first']:>9.2f} "
                          f"{a['acceptance_last']:>8.2f} {a['acceptance_short']:>9.2f} {a['acceptance_long']:>8.2f} "
                          f"{100 * a['update_overhead']:>7.1f}%")
     for name, h in result["summary"].get("head_to_head", {}).items():
@@ -400,6 +459,26 @@ def markdown(result: dict) -> str:
         s = S[kind]
         out.append(f"| {kind} | {100 * s['update_overhead']:.1f}% | {PAPER['update_overhead'].get(kind, '-')} | "
                    f"{100 * s['tap_wait_fraction']:.2f}% | {PAPER['tap_wait_fraction']} |")
+    out += ["", "Acceptance kept (last / first; issue 12's goal: co-trained >= 95%, frozen falls by >= 15%):", "",
+            "| family | frozen | co-trained | co-trained on-policy |", "|---|---|---|---|"]
+    for kind in result["kinds"]:
+        r = S[kind].get("acceptance_retained")
+        if r:
+            op = S[kind].get("on_policy", {}).get("acceptance_retained")
+            out.append(f"| {kind} | {100 * r['frozen']:.1f}% | {100 * r['cotrained']:.1f}% | "
+                       f"{'-' if op is None else f'{100 * op:.1f}%'} |")
+    ops = [(kind, S[kind]["on_policy"]) for kind in result["kinds"] if "on_policy" in S[kind]]
+    if ops:
+        out += ["", "Co-training objectives on the same steps (on-policy SpecOPD branches vs teacher-forced chains; "
+                "acceptance ratio = on-policy / teacher-forced vLLM acceptance per step):", "",
+                "| family | acceptance teacher-forced (first -> last) | acceptance on-policy (first -> last) | "
+                "acceptance ratio per step | drafter time on-policy / teacher-forced | update overhead on-policy |",
+                "|---|---|---|---|---|---|"]
+        for kind, o in ops:
+            s_ = S[kind]
+            out.append(f"| {kind} | {s_['acceptance_first']['cotrained']:.2f} -> {s_['acceptance_last']['cotrained']:.2f} | "
+                       f"{o['acceptance_first']:.2f} -> {o['acceptance_last']:.2f} | {_rng(o['per_step_acceptance_ratio'])} | "
+                       f"{o['draft_time_ratio']:.2f}x | {100 * o['update_overhead']:.1f}% |")
     out += ["", "Every arm (the same keys for drafters and model-free peers; acceptance = vLLM's tokens per "
             f"verification round; short / long = responses under / at least {result.get('long_tokens', 48)} tokens, "
             "pooled per request over the run):", "",
@@ -449,6 +528,10 @@ def main(argv=None) -> int:
     ap.add_argument("--long-tokens", type=int, default=48, help="responses this long or longer count as long "
                     "(acceptance by response length)")
     ap.add_argument("--schedule", help="a YAML written by python -m cotrain.rl.calibrate --write")
+    ap.add_argument("--branches", default="teacher_forced", help="co-trained arms per family, one per "
+                    "draft.branches value: teacher_forced, on_policy (DFlash / DSpark), or both")
+    ap.add_argument("--plain-seeds", type=int, choices=(1, 2), default=2, help="plain arms: 2 = seeds 0 and 1 "
+                    "(the noise band of reward and KL), 1 = seed 0 only (one arm less in memory)")
     ap.add_argument("--out", default="bench/results/cotrain_e2e.json")
     ap.add_argument("--quick", action="store_true", help="smoke test: configs/grpo.yaml (tiny), 2 steps, DFlash, small batch")
     ap.add_argument("--report", metavar="JSON", help="print the summary of an earlier run and redraw its PNG")

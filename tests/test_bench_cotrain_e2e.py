@@ -1,0 +1,109 @@
+"""bench/cotrain_e2e.py's summary of the co-training objectives' arms, recomputed here from raw steps.
+
+The end-to-end smoke test (tests/test_bench_smoke.py) runs the script itself; these check, in well
+under a second, what it derives from per-step metrics when a run has the on-policy co-trained arm
+(``--branches teacher_forced,on_policy``) and one plain seed (``--plain-seeds 1``): the numbers are
+drawn at random and every summary value is recomputed from them independently.
+"""
+
+import importlib.util
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_cotrain_e2e", ROOT / "bench" / "cotrain_e2e.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+ARMS = ("plain", "frozen_dflash", "cotrained_dflash", "cotrained_dflash_on_policy")
+
+
+def fake_arms(steps: int, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    arms = {}
+    for name in ARMS:
+        ms = []
+        for _ in range(steps):
+            m = {"time/rollout": rng.uniform(0.5, 2), "time/update": rng.uniform(8, 14), "time/weight_push": 0.1,
+                 "reward/mean": rng.random(), "kl/ref": rng.random() / 10, "rollout/tokens_per_s": 1000.0,
+                 "tap/wait_s": 0.0}
+            m["time/step"] = m["time/rollout"] + m["time/update"] + 0.1
+            if name != "plain":
+                m["spec/acceptance_length"] = rng.uniform(2, 4)
+                m["time/draft"] = rng.uniform(0.2, 1.0) if name.startswith("cotrained") else 0.0
+            ms.append(m)
+        arms[name] = ms
+    return arms
+
+
+def test_on_policy_arm_is_summarised_against_the_teacher_forced_arm_on_the_same_steps(bench):
+    steps, warmup, tail = 9, 2, 3
+    arms = fake_arms(steps)
+    S = bench.summarize(arms, ["dflash"], tail=tail, warmup=warmup)
+    op, tf = arms["cotrained_dflash_on_policy"], arms["cotrained_dflash"]
+
+    def acc(ms):
+        return statistics.mean(m["spec/acceptance_length"] for m in ms)
+
+    o = S["dflash"]["on_policy"]
+    assert o["acceptance_first"] == pytest.approx(acc(op[:tail]))
+    assert o["acceptance_last"] == pytest.approx(acc(op[-tail:]))
+    assert o["acceptance_retained"] == pytest.approx(acc(op[-tail:]) / acc(op[:tail]))
+    r = [x["spec/acceptance_length"] / y["spec/acceptance_length"] for x, y in zip(op, tf)]
+    assert o["per_step_acceptance_ratio"] == pytest.approx({"median": statistics.median(r), "min": min(r), "max": max(r)})
+    draft = lambda ms: sum(m["time/draft"] for m in ms[warmup:])  # noqa: E731
+    assert o["draft_time_ratio"] == pytest.approx(draft(op) / draft(tf))
+    upd = sum(m["time/update"] for m in op[warmup:])
+    assert o["update_overhead"] == pytest.approx(draft(op) / (upd - draft(op)))
+    roll = lambda ms: sum(m["time/rollout"] for m in ms[warmup:])  # noqa: E731
+    assert o["rollout_speedup"] == pytest.approx(roll(arms["plain"]) / roll(op))
+    # the goal's ratios for frozen and teacher-forced co-trained
+    ret = S["dflash"]["acceptance_retained"]
+    assert ret["frozen"] == pytest.approx(acc(arms["frozen_dflash"][-tail:]) / acc(arms["frozen_dflash"][:tail]))
+    assert ret["cotrained"] == pytest.approx(acc(tf[-tail:]) / acc(tf[:tail]))
+    # one plain seed: no noise band, the seed-0 mean only
+    assert S["noise"] == {"reward_mean_seed0": pytest.approx(statistics.mean(m["reward/mean"] for m in arms["plain"]))}
+    assert set(S["arms"]) == set(ARMS[1:])
+
+
+def test_markdown_and_plot_render_the_on_policy_arm(bench, tmp_path):
+    steps = 6
+    arms = fake_arms(steps, seed=1)
+    result = {"config": "configs/bench_small.yaml", "steps": steps, "kinds": ["dflash"], "peers": [], "k": 4,
+              "warmup": 1, "arms": arms, "summary": bench.summarize(arms, ["dflash"], tail=2, warmup=1)}
+    md = bench.markdown(result)
+    o = result["summary"]["dflash"]["on_policy"]
+    row = [line for line in md.splitlines() if line.startswith("| dflash |") and f"{o['draft_time_ratio']:.2f}x" in line]
+    assert len(row) == 1 and f"{o['acceptance_first']:.2f} -> {o['acceptance_last']:.2f}" in row[0]
+    assert f"{100 * o['acceptance_retained']:.1f}%" in md
+    assert "cotrained_dflash_on_policy" in bench.report(result)
+    png = tmp_path / "e2e.png"
+    bench.plot(result, png)  # no plain_seed1 arm: no noise band, and no KeyError
+    assert png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("spec,kinds,fragment", [
+    ("on_policy", ["eagle3"], "block drafter"),
+    ("teacher_forced,sideways", ["dflash"], "'sideways'"),
+    ("", ["dflash"], "allowed: teacher_forced, on_policy"),
+])
+def test_branches_option_refuses_what_cannot_run(bench, spec, kinds, fragment):
+    with pytest.raises(SystemExit, match=fragment):
+        bench.resolve_branches(spec, kinds)
+
+
+def test_arm_overrides_set_the_branch_source_of_the_cotrained_arm_only(bench):
+    ov = bench.arm_overrides("bench_small", "dflash", "cotrained", 4, None, "on_policy")
+    assert "draft.branches=on_policy" in ov and "draft.cotrain=true" in ov
+    assert bench.cotrained_arm("dflash", "on_policy") == "cotrained_dflash_on_policy"
+    assert bench.cotrained_arm("dflash", "teacher_forced") == "cotrained_dflash"
+    assert not any(o.startswith("draft.branches") for o in bench.arm_overrides("bench_small", None, "plain", 4, None))
