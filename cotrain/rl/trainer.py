@@ -189,9 +189,12 @@ class MegatronPolicyWorker:
                 on_logits = partial(self.draft.after_logits, i, draft_rows[i])
             return self._token_logprobs(model_chunk, mb, on_logits), partial(loss_fn, mb)
 
+        # seq_length: the whole row (a CP rank's microbatch holds S / cp of it; Megatron's schedule
+        # divides by the CP size for the shapes it sends between stages)
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=it, model=[model], num_microbatches=len(micro),
-            seq_length=micro[0].seq_len, micro_batch_size=len(micro[0]), forward_only=forward_only)
+            seq_length=micro[0].seq_len * ps.get_context_parallel_world_size(), micro_batch_size=len(micro[0]),
+            forward_only=forward_only)
 
     def _micro(self, shard: TrainBatch) -> list[TrainBatch]:
         return shard.split(max(1, len(shard) // self.cfg.policy.micro_batch_size))
