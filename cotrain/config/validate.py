@@ -462,18 +462,16 @@ def check_batch_size_schedule(spec) -> list[Issue]:
 
 def _check_on_policy(cfg: CotrainConfig) -> list[Issue]:
     """draft.branches: on_policy in co-training (SpecOPD in the GRPO step, docs/cotrain.md): block
-    drafters, and the layouts whose tree forward is built and tested (PP = 1, any CP, TP and DP)."""
-    d, par = cfg.draft, cfg.policy.parallel
+    drafters, cotrain's attention (the tree forward replaces the policy's core_attention); any PP,
+    CP, TP and DP (at PP > 1 the tree forward runs through the pipeline after the log-prob schedule)."""
+    d = cfg.draft
     if not d.cotrain:
         return [("draft.branches", "on_policy is used only when co-training (draft.cotrain=false: the engines "
                  "serve rollout.speculative.draft_model as it is)")]
     if d.kind not in ("dflash", "dspark"):
         return [("draft.branches", f"on_policy needs a block drafter (allowed kinds: dflash, dspark), not "
                  f"{d.kind}: EAGLE-3's train-time-test passes read the reference tokens (cotrain.draft.specopd)")]
-    why = {"pipeline": "the branch tokens would have to travel from the last stage (where the drafter samples "
-                       "them) to the first and the tree forward through the pipeline (allowed: 1)"}
-    issues = [(f"policy.parallel.{key}", f"draft.branches: on_policy is not available with "
-               f"policy.parallel.{key} > 1 yet: {msg}") for key, msg in why.items() if getattr(par, key) > 1]
+    issues = []
     if cfg.policy.context_parallel_impl == "megatron_te":
         issues.append(("policy.context_parallel_impl", "draft.branches: on_policy replaces the policy's "
                        "core_attention for its tree forward with cotrain's branch attention; not with "

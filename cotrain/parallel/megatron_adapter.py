@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
@@ -123,11 +124,17 @@ class CPBranchCoreAttention(MegatronModule):
 # SpecOPD's target scoring inside the Megatron policy (cotrain.draft.specopd, docs/cotrain.md): the
 # log-prob recomputation already ran the policy over the stem (the rollout rows); its keys and
 # values are captured at every layer's core_attention (``StemKV``), and the branch tokens then run
-# through the policy alone (``tree_branch_logits``): rotary positions by semantic position
-# (anchor + j), every core_attention replaced for that forward by branch attention with no main
-# queries (q=None) over the captured stem keys/values on the tree layout (context inclusive, intra
-# causal: branch token j sees the stem up to its anchor and its own tokens 1..j). The stem's outputs
-# are the log-prob forward's, untouched: stem tokens never see branch tokens by construction.
+# through the policy alone: rotary positions by semantic position (anchor + j), every
+# core_attention replaced for that forward by branch attention with no main queries (q=None) over
+# the captured stem keys/values on the tree layout (context inclusive, intra causal: branch token j
+# sees the stem up to its anchor and its own tokens 1..j). The stem's outputs are the log-prob
+# forward's, untouched: stem tokens never see branch tokens by construction.
+#
+# ``tree_stage_forward`` is one pipeline stage's part of that forward (embedding on the first stage,
+# this stage's layers, final norm and output layer on the last). At PP = 1 the whole forward is that
+# one stage (``tree_branch_logits``); at PP > 1 ``TreePipeline`` runs it through the stages after
+# Megatron's schedule: the last stage (the drafter's) sends a header to the earlier stages, hidden
+# states travel stage by stage as in the schedule, and the last stage returns the logits.
 
 
 def _core_attentions(gpt) -> list:
@@ -152,12 +159,16 @@ def _window_of(module) -> Optional[int]:
 
 
 class StemKV:
-    """Keys and values every core_attention of ``gpt`` receives (post-rotary, [s, b, ng, hn]),
-    captured while ``active``: one microbatch's worth (each forward overwrites the last)."""
+    """Keys and values every core_attention of ``gpt`` (this pipeline stage's layers) receives
+    (post-rotary, [s, b, ng, hn]), captured while ``active``, under the microbatch index
+    ``microbatch`` (set before each forward; a forward of the same index overwrites it). At PP = 1
+    the drafter's stage scores each microbatch right after its forward and clears it; at PP > 1
+    every microbatch of the log-prob forward is kept until the tree forward after the schedule."""
 
     def __init__(self, gpt):
         self.active = False
-        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.microbatch = 0
+        self.kv: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._handles = []
         for i, core in enumerate(_core_attentions(gpt)):
             if _window_of(core) is not None:
@@ -170,19 +181,48 @@ class StemKV:
             if self.active:
                 key = args[1] if len(args) > 1 else kwargs["key"]
                 value = args[2] if len(args) > 2 else kwargs["value"]
-                self.kv[i] = (key.detach(), value.detach())
+                self.kv.setdefault(self.microbatch, {})[i] = (key.detach(), value.detach())
         return hook
 
-    def packed(self, i: int, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layer(self, i: int, microbatch: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        mb = self.microbatch if microbatch is None else microbatch
+        if mb not in self.kv:
+            raise RuntimeError(f"tree scoring: no stem keys/values captured for microbatch {mb} "
+                               f"(captured: {sorted(self.kv)})")
+        return self.kv[mb][i]
+
+    def packed(self, i: int, keep: torch.Tensor, microbatch: Optional[int] = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's keys and values as packed rows [len(keep), ng, hn]: ``keep`` indexes the
         microbatch's b * s positions row after row (at CP = 1 the rows without their padding; at
         CP > 1 every row of the rank's zigzag shard, padding included, as the drafter's layout)."""
-        k, v = self.kv[i]
+        k, v = self._layer(i, microbatch)
         flat = lambda x: x.transpose(0, 1).reshape(-1, x.shape[2], x.shape[3])  # noqa: E731
         return flat(k)[keep], flat(v)[keep]
 
-    def clear(self) -> None:
-        self.kv.clear()
+    def keep_rows(self, layout: BranchLayout, microbatch: Optional[int] = None) -> torch.Tensor:
+        """The captured positions the tree ``layout``'s stem is made of (``keep`` of :meth:`packed`):
+        at CP = 1 the first ``layout.seqlens[r]`` positions of every captured row r (the rows without
+        their padding); at CP > 1 every position of the rank's shard (whole rows, as captured)."""
+        s, b = self._layer(0, microbatch)[0].shape[:2]
+        if layout.num_seqs != b:
+            raise ValueError(f"tree scoring: the layout has {layout.num_seqs} sequences, the captured stem {b} rows")
+        if layout.cp_size > 1:
+            if layout.local_len != b * s:
+                raise ValueError(f"tree scoring: the layout's shard holds {layout.local_len} rows, the captured "
+                                 f"stem {b} x {s}")
+            return torch.arange(b * s)
+        lens = layout.seqlens
+        if bool((lens > s).any()):
+            raise ValueError(f"tree scoring: a sequence of {int(lens.max())} tokens in captured rows of {s}")
+        return torch.cat([r * s + torch.arange(int(n)) for r, n in enumerate(lens.tolist())])
+
+    def clear(self, microbatch: Optional[int] = None) -> None:
+        """Drop one microbatch's keys/values (all with None)."""
+        if microbatch is None:
+            self.kv.clear()
+        else:
+            self.kv.pop(microbatch, None)
 
     def remove(self) -> None:
         for h in self._handles:
@@ -191,25 +231,37 @@ class StemKV:
 
 
 @torch.no_grad()
-def tree_branch_logits(gpt, stem: StemKV, keep: torch.Tensor, layout: BranchLayout, branch_ids: torch.Tensor,
-                       branch_pos: torch.Tensor, group=None) -> torch.Tensor:
-    """Logits [Nb, V/tp] of the policy ``gpt`` (a Megatron GPTModel, whole: PP = 1) at ``branch_ids``
-    (Nb,) - the branch tokens of ``layout`` (context inclusive, intra causal), packed branch after
-    branch - given the stem whose keys and values ``stem`` captured in the forward that just ran.
+def tree_stage_forward(gpt, stem: StemKV, layout: BranchLayout, branch_ids: torch.Tensor,
+                       branch_pos: torch.Tensor, group=None, *, microbatch: Optional[int] = None,
+                       keep: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """This pipeline stage's part of the tree forward of the branch tokens ``branch_ids`` (Nb,) of
+    ``layout`` (context inclusive, intra causal; packed branch after branch) over the stem whose
+    keys/values ``stem`` captured for ``microbatch`` (default: ``stem.microbatch``).
 
-    ``keep`` selects the stem's packed rows from that forward's [b, s] positions (layout.cu_seqlens
-    describes them); ``branch_pos`` (Nb,) are the tokens' semantic positions (anchor's in-sequence
-    position + j), used for the rotary embedding. ``group``: the CP group (None at CP = 1)."""
+    ``gpt`` is this stage's Megatron GPTModel: on the first stage (pre_process) it embeds the
+    tokens, otherwise it takes ``hidden`` [max(Nb, 1), 1, h] from the previous stage; it runs its
+    layers with every core_attention replaced by branch attention (q=None) on its own captured stem
+    keys/values and rotary at ``branch_pos`` (Nb,), the tokens' semantic positions (anchor's
+    in-sequence position + j). Returns the logits [Nb, V/tp] on the last stage (post_process),
+    otherwise the hidden states [max(Nb, 1), 1, h] for the next stage. ``keep``: the stem's packed
+    rows among the captured positions (default :meth:`StemKV.keep_rows`). ``group``: the CP group
+    (None at CP = 1).
+
+    A rank that holds no branch (Nb = 0, CP > 1) still takes part in every layer's ring: Megatron's
+    layers cannot run zero tokens, so one placeholder token runs through them, attends to nothing
+    (zero rows go to the attention, zeros come back) and is dropped from the logits."""
     if layout.context != "inclusive" or layout.intra != "causal":
         raise ValueError(f"tree scoring needs the layout context='inclusive', intra='causal'; got "
                          f"context={layout.context!r}, intra={layout.intra!r}")
+    if not gpt.pre_process and hidden is None:
+        raise ValueError("tree scoring: a stage after the first needs the previous stage's hidden states")
     cores = _core_attentions(gpt)
+    mb = stem.microbatch if microbatch is None else microbatch
+    if keep is None and cores:
+        keep = stem.keep_rows(layout, mb)
     rope = gpt.rotary_pos_emb
     pos = branch_pos.to(torch.int64)
     ids = branch_ids.to(torch.int64)
-    # a rank that holds no branch still takes part in every layer's ring (CP > 1); Megatron's layers
-    # cannot run zero tokens, so one placeholder token runs through them, attends to nothing (zero
-    # rows go to the attention, zeros come back) and is dropped from the logits
     empty = ids.numel() == 0
     if empty:
         ids, pos = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
@@ -226,7 +278,7 @@ def tree_branch_logits(gpt, stem: StemKV, keep: torch.Tensor, layout: BranchLayo
             nb, b, nq, hn = query.shape
             if b != 1:
                 raise ValueError(f"tree scoring runs one packed row of branch tokens, got batch {b}")
-            k, v = stem.packed(i, keep)
+            k, v = stem.packed(i, keep, mb)
             n = 0 if empty else nb
             bq, bk, bv = query[:n, 0], key[:n, 0], value[:n, 0]
             if layout.cp_size == 1:
@@ -243,12 +295,127 @@ def tree_branch_logits(gpt, stem: StemKV, keep: torch.Tensor, layout: BranchLayo
     rope.forward = rotary
     for i, core in enumerate(cores):
         core.forward = tree(i, core)
-    device = gpt.embedding.word_embeddings.weight.device
+    device = next(gpt.parameters()).device
     ids, pos = ids.to(device), pos.to(device)
+    if not gpt.pre_process:
+        gpt.set_input_tensor(hidden.to(device))
     try:
-        logits = gpt(ids[None], pos[None], None)
+        out = gpt(ids[None], pos[None], None)
     finally:
         del rope.forward
         for core in cores:
             del core.forward
-    return logits[0, :0] if empty else logits[0]
+        if not gpt.pre_process:
+            gpt.set_input_tensor(None)
+    if not gpt.post_process:
+        return out  # [max(Nb, 1), 1, h]: to the next stage
+    return out[0, :0] if empty else out[0]
+
+
+def tree_branch_logits(gpt, stem: StemKV, keep: Optional[torch.Tensor], layout: BranchLayout,
+                       branch_ids: torch.Tensor, branch_pos: torch.Tensor, group=None,
+                       microbatch: Optional[int] = None) -> torch.Tensor:
+    """Logits [Nb, V/tp] of the policy ``gpt`` (a whole Megatron GPTModel: PP = 1, the one-stage
+    case of :func:`tree_stage_forward`) at the branch tokens ``branch_ids`` of ``layout``, given the
+    stem whose keys and values ``stem`` captured in the forward that ran (``keep``: its packed rows,
+    None = :meth:`StemKV.keep_rows`). PP > 1: :class:`TreePipeline`."""
+    if not (gpt.pre_process and gpt.post_process):
+        raise ValueError("tree_branch_logits runs a whole model (PP = 1); through a pipeline use TreePipeline")
+    return tree_stage_forward(gpt, stem, layout, branch_ids, branch_pos, group, microbatch=microbatch, keep=keep)
+
+
+class TreePipeline:
+    """The tree forward through the pipeline stages, outside Megatron's schedule (PP >= 1).
+
+    Every stage's :class:`StemKV` holds the stem keys/values of every microbatch of the log-prob
+    forward. After the schedule the last stage (the drafter's) calls :meth:`logits` once per
+    microbatch it scores and :meth:`finish` at the end; every earlier stage calls :meth:`serve`,
+    which runs its part until :meth:`finish`'s sentinel. Per call the last stage broadcasts over
+    the pipeline group a header (microbatch, token count, the layout's cu_seqlens / anchors /
+    branch lengths / cp_size, the tokens and their semantic positions); the first stage embeds and
+    runs its layers, each stage sends its hidden states [max(Nb, 1), 1, h] to the next (point to
+    point in the pipeline group, as Megatron's schedule does), and the last stage returns the
+    logits [Nb, V/tp]. Each TP / CP rank of a stage takes part through its own pipeline group, as
+    at PP = 1 (CP: its own branches, the ring inside each stage's attention; TP: the replicas'
+    identical headers). At PP = 1 :meth:`logits` is :func:`tree_stage_forward` on the whole model
+    and :meth:`finish` / :meth:`serve` do nothing."""
+
+    _FIXED = 7  # kind, microbatch, tokens, branches, cu entries, cp_size, window (-1: none)
+    _DONE, _FORWARD = 0, 1
+
+    def __init__(self, gpt, stem: StemKV, cp_group=None):
+        self.gpt, self.stem, self.cp_group = gpt, stem, cp_group
+        self.pp = parallel_state.get_pipeline_model_parallel_world_size()
+        self.is_first = parallel_state.is_pipeline_first_stage()
+        self.is_last = parallel_state.is_pipeline_last_stage()
+        self.device = next(gpt.parameters()).device
+        cfg = gpt.config
+        self.dtype = cfg.pipeline_dtype or cfg.params_dtype
+        self.hidden_size = cfg.hidden_size
+        #: True between a header sent and the last stage's hidden states received (a failure then
+        #: leaves the earlier stages mid-exchange: no sentinel is sent after it)
+        self.in_flight = False
+        if self.pp > 1:
+            self.group = parallel_state.get_pipeline_model_parallel_group()
+            self.src = parallel_state.get_pipeline_model_parallel_last_rank()
+            self.prev = None if self.is_first else parallel_state.get_pipeline_model_parallel_prev_rank()
+            self.next = None if self.is_last else parallel_state.get_pipeline_model_parallel_next_rank()
+
+    def _forward(self, microbatch: int, layout: BranchLayout, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        hidden = None
+        if not self.is_first:
+            hidden = torch.empty(max(ids.numel(), 1), 1, self.hidden_size, dtype=self.dtype, device=self.device)
+            dist.recv(hidden, src=self.prev, group=self.group)
+        if self.is_last:
+            self.in_flight = False
+        group = self.cp_group if layout.cp_size > 1 else None
+        out = tree_stage_forward(self.gpt, self.stem, layout, ids, pos, group, microbatch=microbatch, hidden=hidden)
+        if not self.is_last:
+            dist.send(out.to(self.dtype).contiguous(), dst=self.next, group=self.group)
+        return out
+
+    def logits(self, microbatch: int, layout: BranchLayout, branch_ids: torch.Tensor,
+               branch_pos: torch.Tensor) -> torch.Tensor:
+        """Last stage: the policy's logits [Nb, V/tp] at the branch tokens of ``layout`` over the stem
+        of ``microbatch`` (the whole pipeline takes part)."""
+        if not self.is_last:
+            raise RuntimeError("TreePipeline.logits runs on the last pipeline stage (the others serve)")
+        ids, pos = branch_ids.to(torch.int64).cpu(), branch_pos.to(torch.int64).cpu()
+        if self.pp == 1:
+            return self._forward(microbatch, layout, ids, pos)
+        if layout.context != "inclusive" or layout.intra != "causal":  # before the earlier stages see it
+            raise ValueError(f"tree scoring needs the layout context='inclusive', intra='causal'; got "
+                             f"context={layout.context!r}, intra={layout.intra!r}")
+        fixed = torch.tensor([self._FORWARD, microbatch, ids.numel(), layout.num_branches, layout.cu_seqlens.numel(),
+                              layout.cp_size, -1 if layout.window is None else layout.window], dtype=torch.int64)
+        payload = torch.cat([ids, pos, layout.cu_seqlens, layout.anchors, layout.branch_lens])
+        self.in_flight = True
+        dist.broadcast(fixed.to(self.device), src=self.src, group=self.group)
+        dist.broadcast(payload.to(self.device), src=self.src, group=self.group)
+        return self._forward(microbatch, layout, ids, pos)
+
+    def finish(self) -> None:
+        """Last stage: the sentinel that ends the earlier stages' :meth:`serve`."""
+        if self.pp > 1 and self.is_last:
+            fixed = torch.zeros(self._FIXED, dtype=torch.int64)
+            dist.broadcast(fixed.to(self.device), src=self.src, group=self.group)
+
+    def serve(self) -> int:
+        """A stage before the last: run this stage's part of every tree forward the last stage asks
+        for, until its sentinel. Returns the number of forwards served."""
+        if self.is_last:
+            raise RuntimeError("TreePipeline.serve runs on the stages before the last")
+        served = 0
+        while True:
+            fixed = torch.empty(self._FIXED, dtype=torch.int64, device=self.device)
+            dist.broadcast(fixed, src=self.src, group=self.group)
+            kind, mb, n, nb, ncu, cp_size, window = fixed.tolist()
+            if kind == self._DONE:
+                return served
+            payload = torch.empty(2 * n + ncu + 2 * nb, dtype=torch.int64, device=self.device)
+            dist.broadcast(payload, src=self.src, group=self.group)
+            ids, pos, cu, anchors, lens = payload.cpu().split([n, n, ncu, nb, nb])
+            layout = BranchLayout(cu, anchors, lens, context="inclusive", intra="causal",
+                                  window=None if window < 0 else window, cp_size=cp_size)
+            self._forward(mb, layout, ids, pos)
+            served += 1

@@ -27,10 +27,16 @@ broadcast over the pipeline when PP > 1: V x H values per step), the LM head fro
 The policy's vocab-parallel logits are gathered over TP (b x S x V values per microbatch per TP
 rank) so that the drafter's loss sees the full distribution.
 
-With ``draft.branches: on_policy`` (PP = 1) the log-prob forward also keeps every layer's stem keys
-and values of the current microbatch (:class:`~cotrain.parallel.megatron_adapter.StemKV`), and the
-drafter's trainer gets a scorer that runs the policy over its branch tokens on them
-(:func:`~cotrain.parallel.megatron_adapter.tree_branch_logits`; docs/cotrain.md).
+With ``draft.branches: on_policy`` the log-prob forward also keeps every layer's stem keys and
+values (:class:`~cotrain.parallel.megatron_adapter.StemKV`), and the drafter's trainer gets a scorer
+that runs the policy over its branch tokens on them
+(:class:`~cotrain.parallel.megatron_adapter.TreePipeline`; docs/cotrain.md). At PP = 1 the drafter
+runs on each microbatch right after its logits, the tree forward on that microbatch's stem. At
+PP > 1 the earlier stages are busy in Megatron's schedule while the last stage sees a microbatch's
+logits (a collective there would deadlock), so the tree forward is deferred: every stage keeps the
+stem keys/values of every microbatch, the last stage keeps the drafter's microbatches (rows, taps,
+logits), and in :meth:`DraftStage.end`, after the schedule, the last stage runs them one by one, its
+scorer driving the tree forward through the pipeline while the earlier stages serve it.
 """
 
 from __future__ import annotations
@@ -112,16 +118,17 @@ class DraftStage:
         self.hooks.enabled = False
         self.trainer: Optional[OnlineDraftTrainer] = None
         # draft.branches: on_policy (SpecOPD): the stem's keys/values of the log-prob forward,
-        # captured for the branch tokens' tree forward (validation: PP = 1, block drafters)
+        # captured for the branch tokens' tree forward (validation: block drafters); at PP > 1 the
+        # drafter's microbatches wait for the end of the schedule (``_deferred``, last stage)
         self.on_policy = d.branches == "on_policy"
-        self.stem = None
+        self.stem = self.tree = None
+        self._deferred: list = []
         if self.on_policy:
-            if self.pp > 1:
-                raise NotImplementedError(f"draft.branches: on_policy runs at PP = 1 (got PP={self.pp}); "
-                                          "validation refuses it")
-            from cotrain.parallel.megatron_adapter import StemKV
+            from cotrain.parallel.megatron_adapter import StemKV, TreePipeline
 
             self.stem = StemKV(model.module)
+            self.tree = TreePipeline(model.module, self.stem,
+                                     cp_group=ps.get_context_parallel_group() if self.cp > 1 else None)
         if self.is_last:
             target = TargetSpec.from_checkpoint(model_path)
             drafter = build_drafter_for(cfg, target, init_dir)
@@ -169,6 +176,7 @@ class DraftStage:
 
     # ------------------------------------------------------------------ one step
     def begin(self, step: int, num_microbatches: int) -> None:
+        self._clear_tree()
         embed, lm_head = self.shared_tensors()
         if self.trainer is not None:
             self.trainer.begin_step(step, embed=embed, lm_head=lm_head)
@@ -179,7 +187,8 @@ class DraftStage:
     def before_forward(self, microbatch: int, num_tokens: int) -> None:
         if self._active:
             self.hooks.set_microbatch(microbatch, num_tokens)
-            if self.stem is not None:
+            if self.stem is not None:  # every stage: this microbatch's stem keys/values
+                self.stem.microbatch = microbatch
                 self.stem.active = True
 
     def after_logits(self, microbatch: int, rows: RolloutRows, logits: torch.Tensor) -> None:
@@ -192,38 +201,61 @@ class DraftStage:
             logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
         taps = self.channel.read(microbatch)
         taps = torch.cat([taps[layer] for layer in self.tap_layers], dim=-1)
-        scorer = None
+        logits = logits.reshape(-1, logits.shape[-1]).float()
+        if self.stem is None:
+            self.trainer.microbatch(rows, taps, logits)
+            return
+        if self.pp > 1:
+            # deferred to end(): the earlier stages are inside the schedule now. The logits are
+            # kept by copy (unfiltered at TP = 1 they can share storage with the log-prob loss's
+            # input, which Megatron's cross-entropy overwrites in place)
+            self._deferred.append((microbatch, rows, taps, logits.clone() if self.tp == 1 else logits))
+            return
+        self.stem.active = False
+        try:
+            self.trainer.microbatch(rows, taps, logits, scorer=self._tree_scorer(microbatch))
+        finally:
+            self.stem.clear()
+
+    def _run_deferred(self) -> None:
+        """PP > 1, after the schedule, on every stage: the last stage runs the drafter on each
+        deferred microbatch (its scorer drives the tree forward through the pipeline) and then sends
+        the earlier stages the sentinel; they serve the tree forwards until it. A microbatch the
+        scorer is never called for (no anchor) costs the earlier stages nothing."""
+        if not self.is_last:
+            self.tree.serve()
+            return
+        try:
+            while self._deferred:
+                microbatch, rows, taps, logits = self._deferred.pop(0)
+                self.trainer.microbatch(rows, taps, logits, scorer=self._tree_scorer(microbatch))
+                self.stem.clear(microbatch)
+        finally:
+            if not self.tree.in_flight:  # else the earlier stages are mid-exchange (a failed link)
+                self.tree.finish()
+
+    def _clear_tree(self) -> None:
+        self._deferred.clear()
         if self.stem is not None:
             self.stem.active = False
-            scorer = self._tree_scorer(rows)
-        try:
-            self.trainer.microbatch(rows, taps, logits.reshape(-1, logits.shape[-1]).float(), scorer=scorer)
-        finally:
-            if self.stem is not None:
-                self.stem.clear()
+            self.stem.clear()
+        if self.tree is not None:
+            self.tree.in_flight = False
 
-    def _tree_scorer(self, rows: RolloutRows):
+    def _tree_scorer(self, microbatch: int):
         """The policy's scorer of one microbatch's branch tokens (``draft.branches: on_policy``): a
         forward of the policy over the branch tokens only, attending to the stem's keys/values that
-        the log-prob forward just captured (cotrain.parallel.megatron_adapter.tree_branch_logits),
-        its logits tempered and filtered as the log-prob forward's (the sampling distribution)."""
-        from cotrain.parallel.megatron_adapter import tree_branch_logits
+        the log-prob forward captured for ``microbatch`` (through the pipeline at PP > 1:
+        cotrain.parallel.megatron_adapter.TreePipeline), its logits tempered and filtered as the
+        log-prob forward's (the sampling distribution)."""
         from cotrain.rl.sampling_filter import filter_active, keep_mask
 
-        from megatron.core import parallel_state as ps
-
-        S = rows.width
-        if self.cp > 1:  # whole rows, padding included: the rank's zigzag shard as captured
-            keep = torch.arange(len(rows) * (S // self.cp))
-        else:  # the rows without their padding (the drafter's packing at CP = 1)
-            keep = torch.cat([i * S + torch.arange(int(n)) for i, n in enumerate(rows.lengths.tolist())])
-        group = ps.get_context_parallel_group() if self.cp > 1 else None
         s = self.cfg.rollout.sampling
 
         def score(layout, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             enabled, self.hooks.enabled = self.hooks.enabled, False  # the tree forward writes no taps
             try:
-                logits = tree_branch_logits(self.model.module, self.stem, keep, layout, tokens, positions, group)
+                logits = self.tree.logits(microbatch, layout, tokens, positions)
             finally:
                 self.hooks.enabled = enabled
             if self.tp > 1:  # vocab-parallel -> full vocabulary, as the stem's logits
@@ -237,11 +269,18 @@ class DraftStage:
         return score
 
     def end(self) -> Optional[dict]:
-        """Close the step; on the last stage: the drafter's optimizer step and the step's metrics."""
-        self.hooks.enabled = False
+        """Close the step (every stage, after the schedule); on the last stage: the drafter's
+        optimizer step and the step's metrics. At PP > 1 with on-policy branches first the deferred
+        drafter microbatches and their tree forwards (every stage takes part)."""
+        self.hooks.enabled = False  # also off for the deferred tree forwards
+        was_active, self._active = self._active, False
         if self.stem is not None:
             self.stem.active = False
-        self._active = False
+            try:
+                if self.pp > 1 and was_active:
+                    self._run_deferred()
+            finally:
+                self._clear_tree()
         tap = self.channel.end_step()
         if self.trainer is None:
             return None
@@ -252,12 +291,11 @@ class DraftStage:
         return m
 
     def abort(self) -> None:
-        """Leave a failed step: hooks off (the channel's next begin_step starts over)."""
+        """Leave a failed step: hooks off, captured stem keys/values and deferred microbatches
+        dropped (the channel's next begin_step starts over)."""
         self.hooks.enabled = False
         self._active = False
-        if self.stem is not None:
-            self.stem.active = False
-            self.stem.clear()
+        self._clear_tree()
 
     # ------------------------------------------------------------------ weights and checkpoints
     def export_dir(self, path: str) -> None:

@@ -124,3 +124,90 @@ def tree_rank_cp(rank: int, world: int, model_path: str, only_rank0: bool = Fals
     ps.destroy_model_parallel()
     return {"mine": mine, "branch_logits": logits, "stem_logits": stem_logits.reshape(local.numel(), -1),
             "index": layout.zigzag_index(rank)}
+
+
+def tree_rank_pp(rank: int, world: int, model_path: str, tensor: int = 1, context: int = 1,
+                 order: tuple = (2, 0, 1), skip: tuple = ()) -> dict:
+    """PP = 2 (x TP / CP): the stem through Megatron's forward-only schedule, one row per microbatch,
+    every stage capturing every microbatch's stem keys/values; after the schedule the last stage
+    scores the microbatches of ``order`` (those in ``skip`` never) through TreePipeline, the first
+    stage serves. Returns, on the last stage, each scored microbatch's branch logits (TP-gathered)
+    and the branches of its rank (CP), and the schedule's stem logits."""
+    from cotrain.models.megatron_compat import apply_cpu_compat, model_parallel_manual_seed
+
+    apply_cpu_compat()
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from cotrain.models.hf_io import load_hf_checkpoint
+    from cotrain.models.megatron_model import build_gpt_model, gpt_layer_spec, load_hf_weights, transformer_config
+    from cotrain.parallel import BranchLayout
+    from cotrain.parallel.megatron_adapter import CPBranchCoreAttention, StemKV, TreePipeline
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tensor, pipeline_model_parallel_size=2,
+                                 context_parallel_size=context)
+    model_parallel_manual_seed(0)
+    arch, _, hf_state = load_hf_checkpoint(model_path)
+    spec = gpt_layer_spec(arch, core_attention=CPBranchCoreAttention) if context > 1 else None
+    gpt = build_gpt_model(arch, transformer_config(arch), layer_spec=spec)
+    load_hf_weights(gpt, hf_state, arch)
+    gpt.eval()
+    inputs, lengths, cu, _, anchors, tokens = rows(arch.vocab_size)
+    b, S = inputs.shape
+    micro = [inputs[i:i + 1] for i in range(b)]
+    if context > 1:  # each rank's zigzag chunks of the row, as the trainer's batches
+        micro = [get_batch_on_this_cp_rank({"tokens": m})["tokens"] for m in micro]
+    stem = StemKV(gpt)
+    last = ps.is_pipeline_last_stage()
+
+    def forward_step(it, model):
+        i, x = next(it)
+        stem.microbatch = i  # what DraftStage.before_forward does on every stage
+        out = model(x, torch.arange(x.shape[1])[None], None)
+        return out, lambda o: (o.sum() * 0, {"logits": o.detach().clone()})
+
+    stem.active = True
+    with torch.no_grad():
+        res = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(enumerate(micro)), model=[gpt], num_microbatches=b,
+            seq_length=S, micro_batch_size=1, forward_only=True)  # the whole row: Megatron divides by CP
+    stem.active = False
+    captured = sorted(stem.kv)
+    cp_rank = ps.get_context_parallel_rank()
+    tree = TreePipeline(gpt, stem, cp_group=ps.get_context_parallel_group() if context > 1 else None)
+    out = {"captured": captured, "branches": {}, "logits": {}}
+    if not last:
+        out["served"] = tree.serve()
+    else:
+        for i in order:
+            if i in skip:
+                continue
+            sel = (anchors >= cu[i]) & (anchors < cu[i + 1])
+            local = anchors[sel] - cu[i]  # in-row positions
+            toks = tokens[sel]
+            idx = torch.nonzero(sel)[:, 0]
+            if context > 1:  # whole rows; this rank's branches are those whose anchors it holds
+                layout = BranchLayout(torch.tensor([0, S]), local, torch.full_like(local, WIDTH), context="inclusive",
+                                      intra="causal", cp_size=context)
+                mine = layout.local_branches(cp_rank)
+            else:
+                layout = BranchLayout(torch.tensor([0, int(lengths[i])]), local, torch.full_like(local, WIDTH),
+                                      context="inclusive", intra="causal")
+                mine = torch.arange(local.numel())
+            pos = local[mine][:, None] + 1 + torch.arange(WIDTH)[None]
+            logits = tree.logits(i, layout, toks[mine].reshape(-1), pos.reshape(-1))
+            if tensor > 1:
+                logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+            out["branches"][i] = idx[mine]
+            out["logits"][i] = logits
+            stem.clear(i)
+        tree.finish()
+        stem_logits = [r["logits"] for r in res]
+        if tensor > 1:
+            stem_logits = [tensor_parallel.gather_from_tensor_model_parallel_region(x) for x in stem_logits]
+        out["stem_logits"] = torch.cat(stem_logits)
+    stem.remove()
+    ps.destroy_model_parallel()
+    return out

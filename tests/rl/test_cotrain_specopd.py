@@ -4,15 +4,17 @@
   in the log-prob forward, rotary by semantic position) gives, at every branch token, the logits of
   a plain Hugging Face forward of the same checkpoint on stem[:anchor+1] + branch[:j] (no tree
   mask, no custom attention); capturing the stem leaves the policy's own logits bit-identical.
-  At TP = 2 too (vocab-parallel logits gathered).
+  At TP = 2 too (vocab-parallel logits gathered); through the pipeline at PP = 2 and PP = 2 x CP = 2
+  (the stem of every microbatch kept on both stages through Megatron's schedule, the tree forward
+  after it; a microbatch never scored, a CP rank without branches).
 - The policy's step is bit-identical with on-policy and teacher-forced branches: the drafter's
   objective never reaches the policy.
 - The drafter's on-policy step inside the trainer (DFlash and DSpark) equals an independent
   one-process computation with cotrain.draft.specopd's offline functions (HF taps and logits, HF tree forward, the same
-  anchors and branch seeds): loss, gradient norm and the weights after one AdamW step; DP = 2
-  and TP = 2 take the same step as one rank.
-- Validation: what is not built (PP > 1, CP > 1, EAGLE-3, transformer-engine attention) is refused
-  by name.
+  anchors and branch seeds): loss, gradient norm and the weights after one AdamW step; DP = 2,
+  TP = 2, CP = 2 and PP = 2 take the same step as one rank.
+- Validation: what is not built (EAGLE-3, transformer-engine attention, no co-training) is refused
+  by name; PP > 1 is accepted.
 
 The drafter optimizer runs with eps = 1 and no clipping, so its first update is ~lr * g: weights
 after the step compare gradients linearly.
@@ -41,9 +43,11 @@ RUNS = {"teacher_forced": [], "on_policy": ["draft.branches=on_policy"],
         "on_policy_tp2": ["draft.branches=on_policy", "policy.parallel.tensor=2"],
         "teacher_forced_cp2": ["policy.parallel.context=2"],
         "on_policy_cp2": ["draft.branches=on_policy", "policy.parallel.context=2"],
+        "teacher_forced_pp2": ["policy.parallel.pipeline=2"],
+        "on_policy_pp2": ["draft.branches=on_policy", "policy.parallel.pipeline=2"],
         "on_policy_dspark": ["draft.branches=on_policy", "draft.kind=dspark", "draft.dspark.block_size=4",
                              "draft.dspark.anchors_per_seq=3"]}
-DRAFT_ATOL = {"on_policy_dp2": 1e-6, "on_policy_tp2": 2e-5, "on_policy_cp2": 2e-5}
+DRAFT_ATOL = {"on_policy_dp2": 1e-6, "on_policy_tp2": 2e-5, "on_policy_cp2": 2e-5, "on_policy_pp2": 1e-6}
 
 
 def config(name):
@@ -109,6 +113,56 @@ def test_megatron_tree_forward_at_cp2_equals_plain_hf_forward(tiny_model_path, o
                 torch.testing.assert_close(torch.stack(got), torch.stack(ref), atol=1e-4, rtol=1e-4)
 
 
+def _hf_branch_logits(hf, ids, a, t):
+    """HF logits at y_1..y_W of the branch ``t`` anchored at ``a``: stem[:a+1] + t[:j], no tree mask."""
+    return torch.stack([hf(input_ids=torch.cat([ids[:a + 1], t[:j]])[None]).logits[0, -1]
+                        for j in range(1, len(t) + 1)])
+
+
+@pytest.mark.parametrize("tensor, context", [(1, 1), (1, 2)], ids=["pp2", "pp2_cp2"])
+def test_megatron_tree_forward_through_the_pipeline_equals_plain_hf_forward(tiny_model_path, tensor, context):
+    """PP = 2: the stem through Megatron's schedule (one row per microbatch, every microbatch's
+    stem keys/values captured on both stages), then the tree forward after it, microbatch by
+    microbatch in another order, one microbatch never scored; under CP = 2 a rank of row 1 holds
+    no branch and still takes part in both stages' rings."""
+    import _specopd_megatron as M
+    from _cp_dist import run_world
+
+    from cotrain.draft.taps import load_hf_target
+
+    skip = () if context > 1 else (1,)
+    res = run_world(M.tree_rank_pp, 2 * tensor * context, str(tiny_model_path), tensor, context, (2, 0, 1), skip)
+    lasts = [r for r in res if "stem_logits" in r]
+    firsts = [r for r in res if "served" in r]
+    assert len(lasts) == len(firsts) == tensor * context
+    scored = [i for i in (2, 0, 1) if i not in skip]
+    for r in res:  # every stage kept the stem of every microbatch until the tree forward
+        assert r["captured"] == [0, 1, 2]
+    for r in firsts:
+        assert r["served"] == len(scored)
+    hf = load_hf_target(tiny_model_path)
+    inputs, lengths, cu, keep, anchors, tokens = M.rows(hf.config.vocab_size)
+    if context == 1:
+        with torch.no_grad():
+            stem_ref = hf(input_ids=inputs).logits.reshape(-1, hf.config.vocab_size)
+        got = lasts[0]["stem_logits"].reshape(-1, hf.config.vocab_size)
+        torch.testing.assert_close(got[keep], stem_ref[keep], atol=1e-4, rtol=1e-4)
+    held = {i: sorted(k for r in lasts for k in r["branches"][i].tolist()) for i in scored}
+    for i in scored:  # every branch of the row on exactly one rank
+        assert held[i] == torch.nonzero((anchors >= cu[i]) & (anchors < cu[i + 1]))[:, 0].tolist()
+    if context > 1:
+        assert min(r["branches"][1].numel() for r in lasts) == 0  # a CP rank without branches took part
+    with torch.no_grad():
+        for r in lasts:
+            for i in scored:
+                if not r["branches"][i].numel():
+                    assert r["logits"][i].shape[0] == 0
+                    continue
+                ref = torch.cat([_hf_branch_logits(hf, inputs[i], int(anchors[k] - cu[i]), tokens[k])
+                                 for k in r["branches"][i].tolist()])
+                torch.testing.assert_close(r["logits"][i], ref, atol=1e-4, rtol=1e-4)
+
+
 # ------------------------------------------------------------------------------- the trainer
 @pytest.fixture(scope="module")
 def runs(tiny_model_path):
@@ -136,7 +190,7 @@ def runs(tiny_model_path):
     return out
 
 
-@pytest.mark.parametrize("cp", ["", "_cp2"])
+@pytest.mark.parametrize("cp", ["", "_cp2", "_pp2"])
 def test_policy_step_is_bit_identical_with_on_policy_or_teacher_forced_branches(runs, cp):
     tf, op = runs["teacher_forced" + cp], runs["on_policy" + cp]
     assert op["draft"]["draft/branch_tokens"] > 0  # the tree forward did run
@@ -210,11 +264,12 @@ def test_drafter_on_policy_step_equals_the_offline_specopd_computation(runs, tin
         torch.testing.assert_close(w, after[name], atol=2e-5, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("name", ["on_policy_dp2", "on_policy_tp2", "on_policy_cp2"])
-def test_drafter_on_policy_step_is_the_same_at_dp2_tp2_cp2(runs, name):
+@pytest.mark.parametrize("name", ["on_policy_dp2", "on_policy_tp2", "on_policy_cp2", "on_policy_pp2"])
+def test_drafter_on_policy_step_is_the_same_at_dp2_tp2_cp2_pp2(runs, name):
     """Anchors per row and draws per branch (functions of the row and the anchor alone), every TP
     rank a replica on the TP-gathered logits, under CP each branch drafted and scored on its
-    anchor's rank: the same step as one rank."""
+    anchor's rank, under PP the drafter's microbatches deferred after the schedule and the tree
+    forward run through both stages: the same step as one rank."""
     base, other = runs["on_policy"], runs[name]
     for k in ("draft/loss", "draft/grad_norm", "draft/acceptance_offline", "draft/chains", "draft/positions",
               "draft/branch_tokens"):
@@ -225,8 +280,6 @@ def test_drafter_on_policy_step_is_the_same_at_dp2_tp2_cp2(runs, name):
 
 # ------------------------------------------------------------------------------- validation
 @pytest.mark.parametrize("extra, key, fragment", [
-    (["policy.parallel.pipeline=2"], "policy.parallel.pipeline",
-     "draft.branches: on_policy is not available with policy.parallel.pipeline > 1 yet"),
     (["draft.kind=eagle3", "draft.loss=e2e_tv"], "draft.branches", "needs a block drafter (allowed kinds: dflash, dspark)"),
     (["policy.context_parallel_impl=megatron_te", "policy.parallel.context=2"], "policy.context_parallel_impl",
      "draft.branches: on_policy replaces the policy's core_attention"),
@@ -241,8 +294,12 @@ def test_on_policy_refuses_what_is_not_built(extra, key, fragment):
 
 
 def test_on_policy_is_accepted_where_it_is_built():
-    for name in ("on_policy", "on_policy_dp2", "on_policy_tp2", "on_policy_cp2"):
+    for name in ("on_policy", "on_policy_dp2", "on_policy_tp2", "on_policy_cp2", "on_policy_pp2"):
         assert config(name).draft.branches == "on_policy"
+    cfg = load_config("configs/grpo.yaml", BASE + DRAFT + ["draft.branches=on_policy", "policy.parallel.pipeline=2",
+                                                          "policy.parallel.context=2", "policy.parallel.tensor=2",
+                                                          "cluster.cpus_per_node=9"])
+    assert cfg.policy.parallel.pipeline == 2 and cfg.draft.branches == "on_policy"
     cfg = load_config("configs/demo.yaml", ["draft.branches=on_policy", "draft.loss=e2e_tv"])
     assert cfg.draft.kind == "dflash" and cfg.draft.branches == "on_policy"
 
