@@ -646,7 +646,8 @@ class DraftConfig(StrictModel):
     (rollout / distillation) tokens; on_policy = SpecOPD branches the drafter samples itself from
     random anchors, scored by the target in one tree-masked forward (cotrain.draft.specopd; dflash
     and dspark). In co-training the policy itself scores them, attending to the stem keys/values of
-    the log-prob recomputation (docs/cotrain.md); policy.parallel.pipeline = 1 so far."""
+    the log-prob recomputation (docs/cotrain.md; at pipeline > 1 after the schedule, through the
+    pipeline)."""
     optimizer: OptimizerConfig = Field(default_factory=lambda: OptimizerConfig(lr=1e-4))
     """Drafter optimizer (its own AdamW, LR schedule over grpo.num_steps and gradient clipping,
     outside the policy's)."""
