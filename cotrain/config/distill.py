@@ -78,6 +78,9 @@ class DistillConfig(StrictModel):
     """Optimisation."""
 
 
+#: drafter kinds whose on-policy (SpecOPD) branches cotrain.draft.specopd builds
+ON_POLICY_KINDS = ("eagle3", "dflash", "dspark")
+
 #: draft.* keys that only a GRPO run's online co-training reads
 ONLINE_ONLY_KEYS = frozenset({"cotrain", "init", "push_every", "tap_transport", "tap_timeout_s"})
 
@@ -109,7 +112,7 @@ def load_distill_config(path: Optional[str | Path] = None, overrides: list[str] 
     if cfg.draft.loss not in cfg.draft.record.losses:
         raise ValueError(f"draft.loss: {cfg.draft.loss!r} is not allowed for kind {cfg.draft.kind!r} "
                          f"(allowed: {', '.join(cfg.draft.record.losses)})")
-    if cfg.draft.branches == "on_policy" and cfg.draft.kind not in ("dflash", "dspark"):
-        raise ValueError(f"draft.branches: on_policy needs a block drafter (allowed kinds: dflash, dspark), "
-                         f"not {cfg.draft.kind!r}")
+    if cfg.draft.branches == "on_policy" and cfg.draft.kind not in ON_POLICY_KINDS:
+        raise ValueError(f"draft.branches: on_policy is built for kinds {', '.join(ON_POLICY_KINDS)} "
+                         f"(cotrain.draft.specopd), not {cfg.draft.kind!r}")
     return cfg

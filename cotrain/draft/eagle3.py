@@ -36,7 +36,7 @@ one built from token counts (distillation, co-training) or a checkpoint's ``d2t`
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -154,7 +154,14 @@ class Eagle3Drafter(Drafter):
                                  cp_size=cp_size)
 
     # ----- forward ------------------------------------------------------------------------------
-    def forward(self, batch: DraftBatch, layout: Optional[BranchLayout] = None, group=None) -> DraftOutput:
+    def forward(self, batch: DraftBatch, layout: Optional[BranchLayout] = None, group=None,
+                next_tokens: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None) -> DraftOutput:
+        """The chains at this rank's anchors (teacher-forced: pass t reads the reference token
+        x_{p+1+t}). ``next_tokens`` (on-policy passes, :mod:`cotrain.draft.specopd`): called before
+        pass t >= 1 as ``next_tokens(t, logits)`` with pass t-1's logits (NB, draft vocabulary; with
+        their graph), it returns the (NB,) *target* token ids pass t reads instead of the reference
+        tokens (e.g. draws from those logits, mapped to target ids). ``target_rows`` / ``valid`` stay
+        the reference's."""
         if layout is None:
             layout = self.build_layout(batch)
         k = self.num_passes
@@ -213,8 +220,11 @@ class Eagle3Drafter(Drafter):
         apos = pos[anchors]
         aend = end[anchors]
         for t in range(1, k):
-            src = anchors + 1 + t
-            tok = torch.where(src < aend, ids[src.clamp(max=T - 1)], torch.full_like(src, self.pad_token_id))
+            if next_tokens is None:
+                src = anchors + 1 + t
+                tok = torch.where(src < aend, ids[src.clamp(max=T - 1)], torch.full_like(src, self.pad_token_id))
+            else:
+                tok = next_tokens(t, logits[-1]).to(torch.int64)
             emb = self.embed(tok)
             cos, sin = rope_cos_sin(apos + t, D, a.rope_theta)
             resid = prenorm

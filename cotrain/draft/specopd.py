@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from cotrain.draft.common import DraftBatch, DraftOutput, exp_decay_weights, group_rank
 from cotrain.draft.losses import draft_loss
+from cotrain.draft.vocab import DraftVocab
 from cotrain.parallel import BranchLayout, cp_branch_attention, local_branch_attention
 
 ATTN_NAME = "cotrain_tree"
@@ -60,15 +61,24 @@ ATTN_NAME = "cotrain_tree"
 # ------------------------------------------------------------------------------- branch sampling
 @dataclass
 class Branches:
-    """Branches sampled by a block drafter (this rank's, under CP).
+    """Branches sampled by a drafter (this rank's, under CP).
 
-    anchors   (NB,) packed stem positions a (the bonus token; draft j predicts position a + j).
-    tokens    (NB, W) sampled tokens y_1..y_W.
-    logits    (NB, W, V) the drafter's logits at each branch position given its own samples y_{<j}
+    anchors   (NB,) packed stem positions a. Block drafters: the bonus token's position (draft j
+              predicts position a + j). EAGLE-3: the position *before* the bonus token (its chain
+              anchor p: bonus x_{p+1}, draft j predicts position p + 1 + j).
+    tokens    (NB, W) sampled tokens y_1..y_W, as *target* ids (a reduced draft vocabulary's draws
+              are mapped through it).
+    logits    (NB, W, Vd) the drafter's logits at each branch position given its own samples y_{<j}
               (with the autograd graph of the call that produced them; divide by nothing: these are
-              the raw logits, the sampling temperature only scaled them for the draw).
+              the raw logits, the sampling temperature only scaled them for the draw). Vd: the draft
+              vocabulary's size under a reduced one (``vocab``), else the target's.
     valid     (NB, W) bool: false after a sampled EOS (nothing after it can be accepted).
     layout    the drafter's layout (anchors, CP size).
+    bonus     EAGLE-3: (NB,) the bonus tokens x_{a+1}. The target then scores the branch
+              [x_{a+1}, y_1..y_{W-1}] at the anchor a, so that p_1 comes from the bonus token's own
+              branch row and the whole branch stays on the anchor's rank. None for block drafters
+              (the anchor is the bonus position: p_1 is the stem row a).
+    vocab     the drafter's reduced draft vocabulary (EAGLE-3 ``draft_vocab_size``), else None.
     """
 
     anchors: torch.Tensor
@@ -77,10 +87,17 @@ class Branches:
     valid: torch.Tensor
     layout: BranchLayout
     confidence: Optional[torch.Tensor] = None
+    bonus: Optional[torch.Tensor] = None
+    vocab: Optional[DraftVocab] = None
 
     @property
     def width(self) -> int:
         return int(self.tokens.shape[1])
+
+    @property
+    def bonus_pos(self) -> torch.Tensor:
+        """(NB,) packed position of each branch's bonus token."""
+        return self.anchors if self.bonus is None else self.anchors + 1
 
 
 def _draw(logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator],
@@ -98,26 +115,40 @@ def _draw(logits: torch.Tensor, temperature: float, generator: Optional[torch.Ge
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
 
-def _check_block_drafter(drafter) -> None:
+def _family(drafter) -> str:
     from cotrain.draft.dflash import BlockDrafter
+    from cotrain.draft.eagle3 import Eagle3Drafter
 
-    if not isinstance(drafter, BlockDrafter):
-        raise NotImplementedError(
-            f"on-policy branches are built for block drafters (dflash, dspark); got {type(drafter).__name__} "
-            "(EAGLE-3 would need its train-time-test passes to read sampled tokens: see cotrain.draft.specopd)")
+    if isinstance(drafter, BlockDrafter):
+        return "block"
+    if isinstance(drafter, Eagle3Drafter):
+        return "eagle3"
+    raise NotImplementedError(f"on-policy branches are built for dflash, dspark and eagle3 drafters; got "
+                              f"{type(drafter).__name__}")
+
+
+def _valid(y: torch.Tensor, eos_token_id: Optional[int]) -> torch.Tensor:
+    """(NB, W): false after a sampled EOS (an EOS at i makes positions > i invalid)."""
+    valid = torch.ones_like(y, dtype=torch.bool)
+    if eos_token_id is not None and y.shape[1] > 1:
+        ended = torch.cumsum((y == eos_token_id).to(torch.int64), 1)
+        valid[:, 1:] = ended[:, :-1] == 0
+    return valid
 
 
 def sample_branches(drafter, batch: DraftBatch, layout: BranchLayout, generator: Optional[torch.Generator] = None,
                     temperature: float = 1.0, group=None, tokens: Optional[torch.Tensor] = None,
                     eos_token_id: Optional[int] = None, uniforms: Optional[torch.Tensor] = None) -> Branches:
-    """Sample a branch at every anchor of ``layout`` (this rank's anchors under CP) in one drafter call.
+    """Sample a branch at every anchor of ``layout`` (this rank's anchors under CP): one drafter call
+    for a block drafter, k passes batched over all anchors for EAGLE-3.
 
-    ``tokens`` (NB, W): score given branches instead of sampling (the logits are then the drafter's
-    distributions conditioned on those tokens). ``generator`` drives the draws (temperature > 0);
+    ``tokens`` (NB, W) target ids: score given branches instead of sampling (the logits are then the
+    drafter's distributions conditioned on those tokens). ``generator`` drives the draws (temperature > 0);
     ``uniforms`` (NB, W) in [0, 1) instead: draft j of branch b is drawn by inverse CDF at
     uniforms[b, j] (draws that do not depend on which rank holds the branch).
     The returned logits keep the graph: the loss differentiates through them."""
-    _check_block_drafter(drafter)
+    if _family(drafter) == "eagle3":
+        return _sample_eagle3(drafter, batch, layout, generator, temperature, group, tokens, eos_token_id, uniforms)
     hidden, anchors, ids = drafter.backbone(batch, layout, group)
     base = drafter.base_logits(hidden)
     conf = None
@@ -142,23 +173,67 @@ def sample_branches(drafter, batch: DraftBatch, layout: BranchLayout, generator:
     y = y.to(torch.int64)
     if tokens is not None and tuple(tokens.shape) != tuple(logits.shape[:2]):
         raise ValueError(f"tokens has shape {tuple(tokens.shape)}, expected {tuple(logits.shape[:2])} (branches x width)")
-    valid = torch.ones_like(y, dtype=torch.bool)
-    if eos_token_id is not None and y.shape[1] > 1:
-        ended = torch.cumsum((y == eos_token_id).to(torch.int64), 1)  # EOS at i: positions > i are invalid
-        valid[:, 1:] = ended[:, :-1] == 0
-    return Branches(anchors=anchors, tokens=y, logits=logits, valid=valid, layout=layout, confidence=conf)
+    return Branches(anchors=anchors, tokens=y, logits=logits, valid=_valid(y, eos_token_id), layout=layout,
+                    confidence=conf)
+
+
+def _sample_eagle3(drafter, batch: DraftBatch, layout: BranchLayout, generator, temperature: float, group,
+                   tokens: Optional[torch.Tensor], eos_token_id: Optional[int],
+                   uniforms: Optional[torch.Tensor]) -> Branches:
+    """EAGLE-3's branches: its k train-time-test passes, pass t >= 1 reading y_t, the token drawn from
+    pass t-1's logits (``Eagle3Drafter.forward``'s ``next_tokens`` hook), each pass batched over all
+    anchors; y_k is drawn from the last pass. Draws are over draft ids, mapped to target ids."""
+    vocab = drafter.vocab
+    k = drafter.num_passes
+    ys: list[torch.Tensor] = []
+
+    def pick(j: int, logits: torch.Tensor) -> torch.Tensor:  # y_{j+1} (target ids) from draft j+1's logits
+        if tokens is not None:
+            if tokens.shape[1] != k or tokens.shape[0] != logits.shape[0]:
+                raise ValueError(f"tokens has shape {tuple(tokens.shape)}, expected ({logits.shape[0]}, {k}) "
+                                 "(branches x width)")
+            y = tokens[:, j].to(torch.int64)
+        else:
+            y = _draw(logits, temperature, generator, None if uniforms is None else uniforms[:, j]).to(torch.int64)
+            y = vocab.to_target(y) if vocab is not None else y
+        ys.append(y)
+        return y
+
+    out = drafter(batch, layout, group=group, next_tokens=lambda t, logits: pick(t - 1, logits))
+    pick(k - 1, out.logits[:, k - 1])
+    y = torch.stack(ys, 1)
+    anchors = out.bonus_pos - 1
+    return Branches(anchors=anchors, tokens=y, logits=out.logits, valid=_valid(y, eos_token_id), layout=layout,
+                    bonus=batch.input_ids[out.bonus_pos], vocab=vocab)
 
 
 # ------------------------------------------------------------------------------- target scoring
-def target_layout(draft_layout: BranchLayout, width: int) -> Optional[BranchLayout]:
+def target_layout(draft_layout: BranchLayout, width: int, bonus: bool = False) -> Optional[BranchLayout]:
     """The target's tree layout for branches of ``width`` drafts at the drafter layout's anchors:
-    W - 1 scored tokens per branch (y_1..y_{W-1}), context up to and including the anchor, causal
-    inside. None when W == 1 (p_1 comes from the stem alone). Same anchors, so the same owner rank."""
-    if width < 2:
+    W - 1 scored tokens per branch (y_1..y_{W-1}; with ``bonus``, EAGLE-3's, W: x_{a+1}, y_1..y_{W-1}),
+    context up to and including the anchor, causal inside. None when no token is scored (W == 1 of
+    a block drafter: p_1 comes from the stem alone). Same anchors, so the same owner rank."""
+    n = width - 1 + int(bonus)
+    if n < 1:
         return None
     a = draft_layout.anchors
-    return BranchLayout(draft_layout.cu_seqlens, a, torch.full_like(a, width - 1), context="inclusive",
+    return BranchLayout(draft_layout.cu_seqlens, a, torch.full_like(a, n), context="inclusive",
                         intra="causal", cp_size=draft_layout.cp_size)
+
+
+def target_inputs(branches: Branches, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target tree's branch tokens and their semantic (in-sequence) positions, both (NB, n),
+    branch after branch: block drafters y_1..y_{W-1} at a+1..a+W-1; EAGLE-3 x_{a+1}, y_1..y_{W-1}
+    at a+1..a+W (``branches.bonus``)."""
+    W = branches.width
+    toks = branches.tokens[:, : W - 1]
+    if branches.bonus is not None:
+        toks = torch.cat([branches.bonus[:, None].to(toks), toks], 1)
+    cu = torch.as_tensor(cu_seqlens, dtype=torch.int64)
+    a = branches.anchors
+    start = cu[torch.searchsorted(cu, a, right=True) - 1]
+    pos = (a - start)[:, None] + 1 + torch.arange(toks.shape[1])[None, :]
+    return toks, pos
 
 
 @dataclass
@@ -227,12 +302,13 @@ class TreeScores:
 
 def tree_target_logits(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, branches: Branches,
                        group=None) -> TreeScores:
-    """One forward of the HF target ``model`` over the stem and the branch tokens y_1..y_{W-1}.
+    """One forward of the HF target ``model`` over the stem and the branch tokens y_1..y_{W-1}
+    (EAGLE-3: x_{a+1}, y_1..y_{W-1}; :func:`target_inputs`).
 
     ``input_ids`` (T,) and ``cu_seqlens``: the global stem (every rank has it); ``branches``: this
     rank's branches (from :func:`sample_branches` on the same stem). Stem rows never see branch
-    rows; branch token (b, j) sees the stem up to its anchor and y_{b,1..j}; RoPE positions are
-    the semantic ones (in-sequence position of the anchor + j)."""
+    rows; branch token (b, j) sees the stem up to its anchor and the branch's tokens 1..j; RoPE
+    positions are the semantic ones (in-sequence position of the anchor + j)."""
     _register()
     dl = branches.layout
     C = dl.cp_size
@@ -242,7 +318,7 @@ def tree_target_logits(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
     seq_of = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1])
     pos = torch.arange(T) - cu[seq_of]
     W = branches.width
-    tl = target_layout(dl, W)
+    tl = target_layout(dl, W, bonus=branches.bonus is not None)
     layout = tl if tl is not None else BranchLayout(cu, torch.zeros(0, dtype=torch.int64),
                                                     torch.zeros(0, dtype=torch.int64), context="inclusive",
                                                     intra="causal", cp_size=C)
@@ -255,8 +331,7 @@ def tree_target_logits(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
     stem_ids = torch.where(idx >= 0, input_ids[r], torch.full_like(r, pad))
     stem_pos = torch.where(idx >= 0, pos[r], torch.zeros_like(r))
     if tl is not None:
-        bt = branches.tokens[:, : W - 1]
-        bpos = pos[branches.anchors][:, None] + 1 + torch.arange(W - 1)[None, :]
+        bt, bpos = target_inputs(branches, cu)
         if bt.shape[0] != layout.local_branches(rank).numel():
             raise ValueError(f"rank {rank} holds {bt.shape[0]} branches, the layout gives it "
                              f"{layout.local_branches(rank).numel()}")
@@ -277,9 +352,13 @@ def tree_target_logits(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
 
 
 def branch_target_probs(scores: TreeScores, branches: Branches, temperature: float = 1.0) -> torch.Tensor:
-    """(NB, W, V) detached target distributions of the drafts: p_1 from the stem row of the anchor,
-    p_j (j >= 2) from branch token y_{j-1}."""
+    """(NB, W, V) detached target distributions of the drafts: block drafters p_1 from the stem row
+    of the anchor, p_j (j >= 2) from branch token y_{j-1}; EAGLE-3 (``branches.bonus``) p_1 from the
+    branch's bonus token x_{a+1}, p_j from y_{j-1}: every p_j from the branch rows."""
     NB, W = branches.tokens.shape
+    if branches.bonus is not None:
+        rows = scores.branch_logits.detach().float().view(NB, W, -1)
+        return F.softmax(rows / temperature, dim=-1)
     row_of = {int(p): i for i, p in enumerate(scores.stem_index.tolist()) if p >= 0}
     rows = torch.tensor([row_of[int(a)] for a in branches.anchors.tolist()], dtype=torch.int64)
     first = scores.stem_logits[rows].detach().float()[:, None]
@@ -292,7 +371,7 @@ def branch_chains(branches: Branches, loss_gamma: Optional[float] = None) -> Dra
     """The branches as draft chains for :func:`cotrain.draft.losses.draft_loss`. ``target_rows``
     is -1 (the supervising distributions are the tree forward's, not stem rows)."""
     NB, W = branches.tokens.shape
-    return DraftOutput(logits=branches.logits, bonus_pos=branches.anchors,
+    return DraftOutput(logits=branches.logits, bonus_pos=branches.bonus_pos,
                        target_rows=torch.full((NB, W), -1, dtype=torch.int64), valid=branches.valid,
                        confidence=branches.confidence, loss_weight=exp_decay_weights(W, loss_gamma),
                        extras={"tokens": branches.tokens, "on_policy": True})
@@ -302,8 +381,11 @@ def specopd_loss(branches: Branches, p: torch.Tensor, loss: str = "e2e_tv",
                  loss_gamma: Optional[float] = None, **extra) -> tuple[torch.Tensor, dict]:
     """The drafter loss (default E2E-TV) on the on-policy branches against the fixed target
     distributions ``p`` (NB, W, V) from :func:`branch_target_probs`. ``extra``: draft_loss's
-    keyword arguments (dspark_l1's weights)."""
-    return draft_loss(loss, branch_chains(branches, loss_gamma), p, labels=branches.tokens, **extra)
+    keyword arguments (dspark_l1's weights). Under a reduced draft vocabulary (``branches.vocab``)
+    the loss sees the draft-id logits, the target-id labels and p over the target's vocabulary, and
+    restricts p as for teacher-forced chains (:mod:`cotrain.draft.losses`)."""
+    return draft_loss(loss, branch_chains(branches, loss_gamma), p, labels=branches.tokens, vocab=branches.vocab,
+                      **extra)
 
 
 def specopd_step(drafter, target_model, batch: DraftBatch, generator: Optional[torch.Generator] = None,
@@ -320,7 +402,7 @@ def specopd_step(drafter, target_model, batch: DraftBatch, generator: Optional[t
     with torch.no_grad():
         scores = tree_target_logits(target_model, batch.input_ids, batch.cu_seqlens, br, group)
     p = branch_target_probs(scores, br)
-    value, metrics = specopd_loss(br, p, loss, drafter.cfg.loss_gamma, **(extra or {}))
+    value, metrics = specopd_loss(br, p, loss, getattr(drafter.cfg, "loss_gamma", None), **(extra or {}))
     metrics["branches"] = int(br.tokens.shape[0])
     metrics["branch_tokens_scored"] = int(scores.branch_logits.shape[0])
     return value, metrics, br
