@@ -51,3 +51,31 @@ def rank_fn(rank, world, target_path):
                      "stem_index": sc.stem_index, "stem_logits": sc.stem_logits, "branch_logits": sc.branch_logits,
                      "layout_anchors": layout.anchors}
     return out
+
+
+def eagle3_rank_fn(rank, world, target_path, k):
+    """EAGLE-3 at CP = 2: this rank's chain anchors (the layout's owner rule), draws at per-anchor
+    uniforms (rank-independent), the k passes over the CP group, the tree forward of its branches,
+    the loss weighted by its positions and its gradients (summed over ranks by the test)."""
+    from cotrain.draft import specopd
+
+    torch.manual_seed(0)
+    target = TargetSpec.from_checkpoint(target_path)
+    model = load_hf_target(target_path)
+    d = build_drafter("eagle3", {"ttt_steps": k}, target, seed=3).train()
+    full = make_batch(model, d)
+    layout = d.build_layout(full, cp_size=world)
+    batch = DraftBatch(full.input_ids, full.cu_seqlens, zigzag_shard(full.taps, layout, rank), full.loss_mask,
+                       None, full.response_start)
+    anchors = layout.anchors[layout.local_branches(rank)]
+    u = torch.rand(full.num_tokens, k, generator=torch.Generator().manual_seed(5))[anchors]
+    br = specopd.sample_branches(d, batch, layout, temperature=1.0, uniforms=u)
+    with torch.no_grad():
+        sc = specopd.tree_target_logits(model, full.input_ids, full.cu_seqlens, br)
+    p = specopd.branch_target_probs(sc, br)
+    loss, m = specopd.specopd_loss(br, p)
+    (loss * m["weight"]).backward()
+    return {"anchors": br.anchors, "tokens": br.tokens, "draft_logits": br.logits.detach(), "p": p,
+            "stem_index": sc.stem_index, "stem_logits": sc.stem_logits, "weight": m["weight"],
+            "loss_sum": (loss * m["weight"]).detach(),
+            "grads": {n: q.grad.clone() for n, q in d.named_parameters() if q.grad is not None}}

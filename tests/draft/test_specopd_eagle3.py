@@ -267,3 +267,38 @@ def test_offline_distillation_with_on_policy_eagle3_branches(tmp_path, one_threa
     assert summary["kind"] == "eagle3" and summary["steps"] == 3 and summary["loss"] == "e2e_tv"
     assert summary["draft_vocab"]["size"] == VOCAB
     assert math.isfinite(summary["final_loss"]) and summary["final_loss"] < 0  # -E2E-TV
+
+
+@pytest.mark.slow
+def test_cp2_eagle3_branches_equal_cp1(tiny_model_path, model, target, one_thread):
+    """CP = 2 over gloo: every chain anchor is drafted and scored on one rank (the anchor's owner,
+    both ranks own some); with the same per-anchor uniforms the tokens equal CP = 1's, the drafter's
+    logits and the target's p equal CP = 1's, and the weighted losses and gradients summed over the
+    ranks equal CP = 1's."""
+    import _cp_draft
+    import _specopd_cp
+
+    ranks = _cp_draft.run_world(_specopd_cp.eagle3_rank_fn, 2, str(tiny_model_path), K)
+    d = build_drafter("eagle3", {"ttt_steps": K}, target, seed=3).train()
+    batch = make_batch(model, d)
+    layout = d.build_layout(batch)
+    u = torch.rand(batch.num_tokens, K, generator=torch.Generator().manual_seed(5))[layout.anchors]
+    br = specopd.sample_branches(d, batch, layout, temperature=1.0, uniforms=u)
+    with torch.no_grad():
+        p = specopd.branch_target_probs(specopd.tree_target_logits(model, batch.input_ids, batch.cu_seqlens, br), br)
+    loss, m = specopd.specopd_loss(br, p)
+    (loss * m["weight"]).backward()
+    assert all(r["anchors"].numel() > 0 for r in ranks)
+    # some bonus token x_{p+1} lies on the other rank's stem shard: scored in the branch, p_1 stays local
+    assert any(not bool(torch.isin(r["anchors"] + 1, r["stem_index"]).all()) for r in ranks)
+    got = torch.cat([r["anchors"] for r in ranks])
+    order = torch.argsort(got)
+    assert torch.equal(got[order], br.anchors)  # every branch once
+    cat = lambda key: torch.cat([r[key] for r in ranks])[order]  # noqa: E731
+    assert torch.equal(cat("tokens"), br.tokens)
+    torch.testing.assert_close(cat("draft_logits"), br.logits.detach(), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(cat("p"), p, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(sum(r["loss_sum"] for r in ranks), (loss * m["weight"]).detach(), atol=1e-5, rtol=1e-5)
+    for n, q in d.named_parameters():
+        if q.grad is not None:
+            torch.testing.assert_close(sum(r["grads"][n] for r in ranks), q.grad, atol=1e-5, rtol=1e-4, msg=n)
