@@ -24,7 +24,13 @@ and k_1..k_t the anchor's pass keys,
 which is attention over K_p and k_1..k_t: no zero query for the other k-2 slots, no trunk tile for
 them (under CP the ring exchange is the same).
 
-Chains: the chain at anchor p has bonus position p+1 and k drafts (pass t = draft t).
+Chains: the chain at anchor p has bonus position p+1 and k drafts (pass t = draft t+1).
+
+On-policy passes (SpecOPD, :mod:`cotrain.draft.specopd`): ``forward(..., next_tokens=f)`` calls
+``f(t, logits of pass t-1)`` before each pass t >= 1 and embeds the (target) token ids it returns
+instead of the reference x_{p+1+t}: the drafter's own draws, as when it drafts in serving. Nothing
+else changes (same layout, attention and state), and without ``next_tokens`` the forward is the
+teacher-forced one, operation for operation.
 
 Reduced draft vocabulary (``draft_vocab_size`` N below the target's V): the LM head has N rows,
 one per token of ``self.vocab`` (:class:`~cotrain.draft.vocab.DraftVocab`), initialised from the

@@ -1,7 +1,8 @@
 """SpecOPD: parallel on-policy drafter distillation from random anchors (issue 13).
 
 The reference (or rollout) tokens are the *stem*. B anchors are drawn on it from a seeded
-generator (the drafter's own anchor rule: ``BlockDrafter.build_layout``). From every anchor a the
+generator (the drafter's own anchor rule, ``build_layout``: a block drafter's sampled
+anchors; EAGLE-3's every chain anchor). From every anchor a the
 current drafter samples a *branch* of W tokens y_1..y_W at positions a+1..a+W - all anchors in one
 drafter call, branches independent of each other, causal inside. The target then scores the stem
 and all branches in ONE forward with the ancestor-only tree mask: branch token (b, j) sees the stem
@@ -12,7 +13,7 @@ the packed order. The target distribution of draft j (1-based) is
     p_1 = softmax(target logits at stem row a)                 (= plain forward on stem[:a+1])
     p_j = softmax(target logits at branch token y_{j-1})       (= plain forward on stem[:a+1] + y_1..y_{j-1})
 
-so the target needs only y_1..y_{W-1} of each branch. The loss is E2E-TV (``losses.e2e_tv`` through
+so the target needs only y_1..y_{W-1} of each branch (EAGLE-3: also its bonus token, below). The loss is E2E-TV (``losses.e2e_tv`` through
 ``losses.draft_loss``) on the branch positions with y and p held fixed:
 
     L = - sum_{b,j valid} w_j prod_{i<=j} sum_v min(p_{b,i}(v), q_{b,i}(v)) / sum_{b,j valid} w_j
@@ -27,11 +28,18 @@ Families:
   draft is sampled from its own position's distribution (as vLLM's dflash proposer does), W = B-1.
 - DSpark: one backbone call for every block, then the Markov head left to right
   (logits_i = lm_head(h_i) + W2 W1[y_{i-1}], y_0 = x_a), W = B. Only the (V x r) head is sequential.
-- EAGLE-3: possible but not built here. Its train-time-test passes are already sequential (pass t
-  reads the token of step t and pass t-1's state); on-policy, pass t would read the token sampled
-  from pass t-1's logits instead of the reference token: still batched over all anchors per pass,
-  but k drafter passes rather than one call, and it needs a hook into ``Eagle3Drafter``'s pass loop
-  (the token fed to passes >= 1 is read from ``batch.input_ids`` today).
+- EAGLE-3: its k train-time-test passes, each batched over all anchors (the chain anchors p:
+  bonus x_{p+1}, draft j at position p+1+j). Pass 0 (the trunk) reads x_{p+1} and the taps of p
+  and gives draft 1; pass t >= 1 reads y_t, drawn from pass t-1's logits, instead of the reference
+  token x_{p+1+t} (``Eagle3Drafter.forward``'s ``next_tokens`` hook), and pass t-1's state; W = k.
+  k drafter passes rather than one call (they were sequential in teacher forcing already). Under a
+  reduced draft vocabulary the draws are draft ids, mapped to target ids (``Branches.tokens``, the
+  next pass's embedding, the target's scoring); the loss gets the vocabulary (``Branches.vocab``)
+  and restricts p as for teacher-forced chains. The target scores the branch [x_{p+1}, y_1..y_{k-1}]
+  at the anchor p (positions p+1..p+k), so p_1 comes from the bonus token's branch row (= the stem
+  row p+1 of the plain forward) and p_j from y_{j-1}: k tokens per branch (one more than a block
+  drafter's), all on the rank that owns p and drafted the branch, also when x_{p+1} lies on the
+  other CP shard.
 
 Target scoring (:func:`tree_target_logits`) runs a Hugging Face causal LM (Qwen3 / Llama-style: any
 model whose attention goes through transformers' ``AttentionInterface``) over [stem rows; branch
