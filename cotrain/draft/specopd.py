@@ -13,7 +13,8 @@ the packed order. The target distribution of draft j (1-based) is
     p_1 = softmax(target logits at stem row a)                 (= plain forward on stem[:a+1])
     p_j = softmax(target logits at branch token y_{j-1})       (= plain forward on stem[:a+1] + y_1..y_{j-1})
 
-so the target needs only y_1..y_{W-1} of each branch (EAGLE-3: also its bonus token, below). The loss is E2E-TV (``losses.e2e_tv`` through
+so the target needs only y_1..y_{W-1} of each branch (EAGLE-3: also its bonus token, below).
+The loss is E2E-TV (``losses.e2e_tv`` through
 ``losses.draft_loss``) on the branch positions with y and p held fixed:
 
     L = - sum_{b,j valid} w_j prod_{i<=j} sum_v min(p_{b,i}(v), q_{b,i}(v)) / sum_{b,j valid} w_j
