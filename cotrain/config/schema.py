@@ -644,10 +644,10 @@ class DraftConfig(StrictModel):
     branches: Literal["teacher_forced", "on_policy"] = "teacher_forced"
     """Where the supervised draft tokens come from: teacher_forced = chains on the reference
     (rollout / distillation) tokens; on_policy = SpecOPD branches the drafter samples itself from
-    random anchors, scored by the target in one tree-masked forward (cotrain.draft.specopd; dflash
-    and dspark). In co-training the policy itself scores them, attending to the stem keys/values of
-    the log-prob recomputation (docs/cotrain.md; at pipeline > 1 after the schedule, through the
-    pipeline)."""
+    random anchors, scored by the target in one tree-masked forward (cotrain.draft.specopd; dflash,
+    dspark and eagle3, whose branch is scored with its bonus token). In co-training the policy itself
+    scores them, attending to the stem keys/values of the log-prob recomputation (docs/cotrain.md;
+    at pipeline > 1 after the schedule, through the pipeline)."""
     optimizer: OptimizerConfig = Field(default_factory=lambda: OptimizerConfig(lr=1e-4))
     """Drafter optimizer (its own AdamW, LR schedule over grpo.num_steps and gradient clipping,
     outside the policy's)."""

@@ -33,8 +33,9 @@ CP group instead (even attention work across CP ranks; the draw then depends on 
 On-policy branches (``draft.branches: on_policy``, SpecOPD: :mod:`cotrain.draft.specopd`): at the
 same anchors the drafter samples its own branches (draws by inverse CDF at uniforms that depend on
 the row and the anchor alone, :func:`branch_uniforms`), a ``scorer`` from the trainer returns the
-policy's logits at the branch tokens (its tree forward, docs/cotrain.md), and the loss runs on the
-branch positions against those fixed distributions (:meth:`OnlineDraftTrainer._on_policy`).
+policy's logits at the branch tokens (its tree forward, docs/cotrain.md; EAGLE-3's branch is scored
+with its bonus token first, so that p_1 too is a branch row), and the loss runs on the branch
+positions against those fixed distributions (:meth:`OnlineDraftTrainer._on_policy`).
 
 Acceptance (``acceptance_offline``): on the step's chains, 1 + the number of leading drafts equal
 to the policy's greedy token at their position, over the first ``k`` drafts (teacher forcing on the
@@ -177,9 +178,9 @@ class OnlineDraftTrainer:
         self.branches = getattr(draft_cfg, "branches", "teacher_forced")
         self.eos_token_id = eos_token_id
         if self.branches == "on_policy":
-            if not isinstance(drafter, BlockDrafter):
-                raise NotImplementedError(f"draft.branches: on_policy needs a block drafter (dflash, dspark), not "
-                                          f"{drafter.kind}")
+            from cotrain.draft.specopd import _family
+
+            _family(drafter)  # dflash, dspark or eagle3 (raises for anything else)
         self.loss_extra = {n: float(getattr(draft_cfg.settings, n)) for n in ("l1_weight", "confidence_weight")
                            if hasattr(draft_cfg.settings, n)}
         self.total_steps = int(total_steps)
@@ -296,19 +297,26 @@ class OnlineDraftTrainer:
     def _on_policy(self, rows: RolloutRows, batch: DraftBatch, local_logits: torch.Tensor, layout,
                    scorer: Callable) -> dict[str, torch.Tensor]:
         """SpecOPD on one microbatch: the drafter samples a branch at every anchor of ``layout`` it
-        holds (one call; draws at :func:`branch_uniforms`), the policy scores branch tokens
-        y_1..y_{W-1} in one tree forward (``scorer``), p_1 is the anchor's own row of
-        ``local_logits``; the loss (``draft.loss``, E2E-TV for SpecOPD) on the branch positions with the
-        tokens and p fixed. Under CP a rank holds the branches whose anchors it holds (the drafter's
-        layout), and the drafter's and the policy's attention run over the CP group. The statistics:
-        loss, overlap and top-1 agreement on the branch positions; ``acceptance_offline`` as in
-        teacher forcing (the drafter's teacher-forced chains at the same anchors, no grad), so that
-        it compares across ``draft.branches``."""
+        holds (one call for a block drafter, EAGLE-3's k passes; draws at :func:`branch_uniforms`),
+        the policy scores the branch tokens in one tree forward (``scorer``, on
+        ``specopd.target_inputs``: block drafters y_1..y_{W-1}, p_1 then the anchor's own row of
+        ``local_logits``; EAGLE-3 x_{p+1}, y_1..y_{k-1} at its chain anchor p, every p_j, p_1
+        included, a branch row); the loss (``draft.loss``, E2E-TV for SpecOPD) on the branch
+        positions with the tokens and p fixed. Under CP a rank holds the branches whose anchors it
+        holds (the drafter's layout), and the drafter's and the policy's attention run over the CP
+        group. The statistics: loss, overlap and top-1 agreement on the branch positions;
+        ``acceptance_offline`` as in teacher forcing (the drafter's teacher-forced chains at the same
+        anchors, no grad, drafted ids mapped to target ids under a reduced vocabulary), so that it
+        compares across ``draft.branches``; the rollout tokens counted for the draft vocabulary as in
+        teacher forcing."""
         from cotrain.draft import specopd
         from cotrain.draft.common import group_rank
 
         st = self._stats
         st["microbatches"] += 1
+        vocab: Optional[DraftVocab] = getattr(self.drafter, "vocab", None)
+        if vocab is not None:  # the rollout tokens the drafts predict (every CP rank holds whole rows)
+            self._step_counts += token_counts(batch.input_ids, batch.loss_mask, vocab.vocab_size)
         if int(layout.anchors.numel()) == 0:  # nothing to supervise in these rows (on every CP rank)
             return {}
         C = self.cp_size
@@ -324,24 +332,24 @@ class OnlineDraftTrainer:
             if not torch.equal(br.anchors, anchors):
                 raise RuntimeError("the drafter's branches are not the layout's anchors of this rank, in order")
             W, V = br.width, local_logits.shape[-1]
-            tl = specopd.target_layout(layout, W)
+            tl = specopd.target_layout(layout, W, bonus=br.bonus is not None)
             branch_logits = local_logits.new_zeros(0, V)
             if tl is not None:
                 t1 = time.perf_counter()
-                seq = batch.seq_of[br.anchors]
-                pos = (br.anchors - batch.cu_seqlens[seq])[:, None] + 1 + torch.arange(W - 1)[None]
+                toks, pos = specopd.target_inputs(br, batch.cu_seqlens)
                 with torch.no_grad():
-                    branch_logits = scorer(tl, br.tokens[:, : W - 1].reshape(-1), pos.reshape(-1)).float()
+                    branch_logits = scorer(tl, toks.reshape(-1), pos.reshape(-1)).float()
                 self._timers["tree_s"] += time.perf_counter() - t1
                 st["branch_tokens"] += float(branch_logits.shape[0])
             stem_index = layout.zigzag_index(rank) if C > 1 else torch.arange(local_logits.shape[0])
             scores = specopd.TreeScores(stem_logits=local_logits, stem_index=stem_index,
                                         branch_logits=branch_logits, layout=tl)
-            if br.tokens.shape[0]:  # both logits already at the sampling temperature
+            if br.tokens.shape[0]:  # both logits already at the sampling temperature; EAGLE-3: branch rows only
                 p = specopd.branch_target_probs(scores, br, temperature=1.0)
             else:  # a CP rank holding no branch (it still ran the collective forwards and runs the backward)
                 p = local_logits.new_zeros(0, W, V)
-            loss, m = specopd.specopd_loss(br, p, self.loss_name, self.drafter.cfg.loss_gamma, **self.loss_extra)
+            loss, m = specopd.specopd_loss(br, p, self.loss_name, getattr(self.drafter.cfg, "loss_gamma", None),
+                                           **self.loss_extra)
             weight = m["weight"]
             (loss * weight).backward()
         t1 = time.perf_counter()
@@ -353,7 +361,10 @@ class OnlineDraftTrainer:
                 best = fetch_rows(ids, out.target_rows, layout, group).view(out.target_rows.shape).long()
             else:
                 best = local_logits.argmax(-1)[out.target_rows.clamp(min=0)]
-            greedy = (out.logits.argmax(-1) == best) & out.valid
+            drafted = out.logits.argmax(-1)
+            if vocab is not None:
+                drafted = vocab.to_target(drafted)
+            greedy = (drafted == best) & out.valid
             lens = accept_lengths(greedy, self.k) * out.valid[:, 0]
         self._timers["eval_s"] += time.perf_counter() - t1
         self._accumulate(m, weight, n, lens, out.valid[:, 0])

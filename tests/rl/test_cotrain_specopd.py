@@ -47,7 +47,17 @@ RUNS = {"teacher_forced": [], "on_policy": ["draft.branches=on_policy"],
         "on_policy_pp2": ["draft.branches=on_policy", "policy.parallel.pipeline=2"],
         "on_policy_dspark": ["draft.branches=on_policy", "draft.kind=dspark", "draft.dspark.block_size=4",
                              "draft.dspark.anchors_per_seq=3"]}
-DRAFT_ATOL = {"on_policy_dp2": 1e-6, "on_policy_tp2": 2e-5, "on_policy_cp2": 2e-5, "on_policy_pp2": 1e-6}
+EAGLE3 = ["draft.branches=on_policy", "draft.kind=eagle3", "draft.eagle3.ttt_steps=3"]
+VOCAB = 8  # a reduced EAGLE-3 draft vocabulary (the arithmetic responses use 11 distinct tokens)
+RUNS.update({"on_policy_eagle3": EAGLE3,
+             "on_policy_eagle3_pp2_cp2": EAGLE3 + ["policy.parallel.pipeline=2", "policy.parallel.context=2",
+                                                    "cluster.cpus_per_node=5"],
+             # run seed 3: a drafter whose greedy drafts, unmapped, would be accepted less often (the
+             # acceptance test below is not vacuous; at seed 0 the two counts happen to coincide)
+             "on_policy_eagle3_vocab": EAGLE3 + [f"draft.eagle3.draft_vocab_size={VOCAB}", "run.seed=3"]})
+TWO_DRAFTER_STEPS = ("on_policy_eagle3_vocab",)  # drafter steps 1 and 2 on the same rows, no policy step
+DRAFT_ATOL = {"on_policy_dp2": 1e-6, "on_policy_tp2": 2e-5, "on_policy_cp2": 2e-5, "on_policy_pp2": 1e-6,
+              "on_policy_eagle3_pp2_cp2": 2e-5}
 
 
 def config(name):
@@ -176,6 +186,13 @@ def runs(tiny_model_path):
             group = TrainerGroup(config(name), tiny_model_path)
             try:
                 init = group.named_weights("draft")
+                if name in TWO_DRAFTER_STEPS:  # the first step builds the draft vocabulary (no update)
+                    first = group.logprobs(batch, draft_step=1).draft_metrics
+                    after_first = group.named_weights("draft")
+                    second = group.logprobs(batch, draft_step=2).draft_metrics
+                    out[name] = dict(batch=batch, draft_init=init, draft1=first, draft_weights1=after_first,
+                                     draft=second, draft_weights=group.named_weights("draft"))
+                    continue
                 lp = group.logprobs(batch, draft_step=1)
                 batch.old_logprobs = lp.logprobs + 0.3 * torch.randn(
                     lp.logprobs.shape, generator=torch.Generator().manual_seed(0)) * batch.mask
@@ -204,50 +221,67 @@ def test_policy_step_is_bit_identical_with_on_policy_or_teacher_forced_branches(
     assert op["draft"]["draft/loss"] != tf["draft"]["draft/loss"]
 
 
-@pytest.mark.parametrize("name", ["on_policy", "on_policy_dspark"])
-def test_drafter_on_policy_step_equals_the_offline_specopd_computation(runs, tiny_model_path, name):
-    """Reference, in this process: HF taps and logits of the same rows; per microbatch of 4 rows
-    (the trainer's), the anchors of each row's seed, branches sampled by the drafter with the
-    branches' draws, scored by specopd.tree_target_logits on the HF policy, E2E-TV;
-    gradients summed over microbatches, divided by the total weight, one AdamW step."""
+def _offline_specopd_step(drafter, hf, cfg, b, step, eos_token_id):
+    """The drafter's on-policy step computed in this process with cotrain.draft.specopd's offline
+    functions: HF taps and logits of the rows; per microbatch of 4 rows (the trainer's) the anchors
+    of each row's seed (EAGLE-3: every chain anchor), branches sampled by the drafter with the
+    branches' draws, scored by specopd.tree_target_logits on the HF policy, the loss; gradients
+    summed over microbatches (left on ``drafter``). Returns (loss, weight, acceptance, unmapped):
+    the loss normalised over the step, its weight, the teacher-forced greedy acceptance at the same
+    anchors (drafted ids mapped to target ids under a reduced vocabulary) against the HF argmax, and
+    that acceptance with the draft ids taken as target ids (a wrong one, under a reduced vocabulary)."""
     from cotrain.draft import specopd
+    from cotrain.draft.acceptance import accept_lengths
     from cotrain.draft.online import anchor_seed, branch_uniforms, sample_block_anchors, RolloutRows, to_draft_batch
-    from cotrain.draft.optim import lr_at, make_optimizer, set_lr
-    from cotrain.draft.registry import build_drafter
-    from cotrain.draft.taps import TargetSpec, compute_taps, load_hf_target
+    from cotrain.draft.taps import compute_taps
 
-    cfg = config(name)
-    r = runs[name]
-    b = r["batch"]
-    target = TargetSpec.from_checkpoint(tiny_model_path)
-    drafter = build_drafter(cfg.draft.kind, cfg.draft.settings, target, seed=cfg.run.seed).train()
-    for name, w in drafter.vllm_state_dict().items():  # the same initial drafter as the trainer's
-        if name in r["draft_init"]:
-            assert torch.equal(r["draft_init"][name], w), name
-    hf = load_hf_target(tiny_model_path)
     S = b.seq_len
     taps, logits = compute_taps(hf, b.inputs.reshape(-1), torch.arange(0, len(b) * S + 1, S), drafter.tap_layers)
     taps, logits = taps.view(len(b), S, -1), logits.view(len(b), S, -1)
-    step, seed, per_seq = 1, cfg.run.seed, cfg.draft.settings.anchors_per_seq
-    loss_sum = weight = 0.0
+    seed, kind, vocab = cfg.run.seed, cfg.draft.kind, getattr(drafter, "vocab", None)
+    k = min(drafter.default_num_speculative_tokens(), drafter.draft_width)
+    loss_sum = weight = accepted = unmapped = chains = 0.0
     for lo in range(0, len(b), 4):
         sl = slice(lo, lo + 4)
         rows = RolloutRows(b.inputs[sl], b.mask[sl], b.lengths[sl], torch.arange(lo, lo + 4))
-        batch, _ = to_draft_batch(rows, taps[sl].reshape(4 * S, -1), logits[sl].reshape(4 * S, -1))
-        anchors = sample_block_anchors(drafter, batch, [anchor_seed(seed, step, s) for s in range(lo, lo + 4)], per_seq)
-        layout = drafter.build_layout(batch, anchors=anchors)
+        batch, local = to_draft_batch(rows, taps[sl].reshape(4 * S, -1), logits[sl].reshape(4 * S, -1))
+        if kind == "eagle3":
+            layout = drafter.build_layout(batch)
+            anchors = layout.anchors
+        else:
+            anchors = sample_block_anchors(drafter, batch, [anchor_seed(seed, step, s) for s in range(lo, lo + 4)],
+                                           cfg.draft.settings.anchors_per_seq)
+            layout = drafter.build_layout(batch, anchors=anchors)
         seq = batch.seq_of[anchors]
         u = branch_uniforms(seed, step, lo + seq, anchors - batch.cu_seqlens[seq], drafter.draft_width)
-        br = specopd.sample_branches(drafter, batch, layout, temperature=1.0, eos_token_id=target.eos_token_id,
-                                     uniforms=u)
+        br = specopd.sample_branches(drafter, batch, layout, temperature=1.0, eos_token_id=eos_token_id, uniforms=u)
         with torch.no_grad():
             scores = specopd.tree_target_logits(hf, batch.input_ids, batch.cu_seqlens, br)
         p = specopd.branch_target_probs(scores, br, temperature=TEMPERATURE)
-        loss, m = specopd.specopd_loss(br, p, "e2e_tv", drafter.cfg.loss_gamma)
+        loss, m = specopd.specopd_loss(br, p, "e2e_tv", getattr(drafter.cfg, "loss_gamma", None))
         (loss * m["weight"]).backward()
         loss_sum += float(m["loss"] * m["weight"])
         weight += float(m["weight"])
-    assert r["draft"]["draft/loss"] == pytest.approx(loss_sum / weight, rel=1e-4)
+        with torch.no_grad():
+            out = drafter(batch, layout)
+            raw = out.logits.argmax(-1)
+            best = local.argmax(-1)[out.target_rows.clamp(min=0)]
+
+            def count(drafted):
+                return float((accept_lengths((drafted == best) & out.valid, k) * out.valid[:, 0]).sum())
+            accepted += count(vocab.to_target(raw) if vocab is not None else raw)
+            unmapped += count(raw)
+            chains += float(out.valid[:, 0].sum())
+    return loss_sum / weight, weight, accepted / chains, unmapped / chains
+
+
+def _check_step_against(r, drafter, cfg, weight, loss, acceptance, before=None):
+    """The trainer's metrics and weights after its step == the reference (gradients on ``drafter``,
+    divided by ``weight``, one AdamW step from ``before``: the trainer's weights before its step)."""
+    from cotrain.draft.optim import lr_at, make_optimizer, set_lr
+
+    assert r["draft"]["draft/loss"] == pytest.approx(loss, rel=1e-4)
+    assert r["draft"]["draft/acceptance_offline"] == pytest.approx(acceptance, rel=1e-6)
     params = [q for q in drafter.parameters() if q.requires_grad]
     grads = [q.grad / weight if q.grad is not None else torch.zeros_like(q) for q in params]
     gn = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in grads])).item()
@@ -258,19 +292,76 @@ def test_drafter_on_policy_step_equals_the_offline_specopd_computation(runs, tin
     set_lr(opt, lr_at(0, cfg.grpo.num_steps, cfg.draft.optimizer))
     opt.step()
     after = drafter.vllm_state_dict()
-    moved = max((r["draft_weights"][n] - r["draft_init"][n]).abs().max().item() for n in r["draft_weights"])
+    before = r["draft_init"] if before is None else before
+    moved = max((r["draft_weights"][n] - before[n]).abs().max().item() for n in r["draft_weights"]
+                if r["draft_weights"][n].is_floating_point())
     assert moved > 1e-3  # the step moved the drafter
     for name, w in r["draft_weights"].items():
         torch.testing.assert_close(w, after[name], atol=2e-5, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("name", ["on_policy_dp2", "on_policy_tp2", "on_policy_cp2", "on_policy_pp2"])
+@pytest.mark.parametrize("name", ["on_policy", "on_policy_dspark", "on_policy_eagle3"])
+def test_drafter_on_policy_step_equals_the_offline_specopd_computation(runs, tiny_model_path, name):
+    """Reference, in this process (``_offline_specopd_step``): HF taps and logits of the same rows,
+    the same anchors and draws, specopd.tree_target_logits on the HF policy, E2E-TV; gradients
+    divided by the total weight, one AdamW step. EAGLE-3: its k passes on its own draws, the branch
+    scored with its bonus token (p_1 from the bonus token's branch row)."""
+    from cotrain.draft.registry import build_drafter
+    from cotrain.draft.taps import TargetSpec, load_hf_target
+
+    cfg = config(name)
+    r = runs[name]
+    target = TargetSpec.from_checkpoint(tiny_model_path)
+    drafter = build_drafter(cfg.draft.kind, cfg.draft.settings, target, seed=cfg.run.seed).train()
+    for key, w in drafter.vllm_state_dict().items():  # the same initial drafter as the trainer's
+        if key in r["draft_init"]:
+            assert torch.equal(r["draft_init"][key], w), key
+    hf = load_hf_target(tiny_model_path)
+    loss, weight, acc, _ = _offline_specopd_step(drafter, hf, cfg, r["batch"], 1, target.eos_token_id)
+    if cfg.draft.kind == "eagle3":  # k scored tokens per branch (bonus included), one branch per chain anchor
+        assert r["draft"]["draft/branch_tokens"] == r["draft"]["draft/chains"] * cfg.draft.settings.ttt_steps
+    _check_step_against(r, drafter, cfg, weight, loss, acc)
+
+
+def test_eagle3_on_policy_step_with_a_draft_vocabulary(runs, tiny_model_path):
+    """EAGLE-3 with a reduced draft vocabulary (8 of 128 tokens), two drafter steps on the same
+    rows. Step 1 (placeholder mapping): the on-policy step counts the rollout tokens, the mapping is
+    built from them (the 8 most frequent response tokens) and the step takes no update. Step 2 ==
+    the offline computation with that mapping: draws over draft ids mapped to target ids, p
+    restricted to the draft tokens, the acceptance of the drafted ids mapped to target ids."""
+    from cotrain.draft.registry import build_drafter
+    from cotrain.draft.taps import TargetSpec, load_hf_target
+
+    cfg = config("on_policy_eagle3_vocab")
+    r = runs["on_policy_eagle3_vocab"]
+    b = r["batch"]
+    m1 = r["draft1"]
+    assert m1["draft/skipped"] == 1.0 and m1["draft/vocab_rebuilt"] == 1.0 and m1["draft/vocab_version"] == 1
+    V = 128
+    counts = torch.bincount(b.targets[b.mask.bool()], minlength=V)
+    want = sorted(sorted(range(V), key=lambda t: (-int(counts[t]), t))[:VOCAB])
+    assert (torch.arange(VOCAB) + r["draft_weights1"]["d2t"]).tolist() == want
+    m2 = r["draft"]
+    assert m2.get("draft/skipped", 0.0) == 0.0 and m2["draft/vocab_version"] == 1
+    assert 0.0 < m2["draft/vocab_coverage"] < 1.0  # some response tokens lie outside the draft vocabulary
+    target = TargetSpec.from_checkpoint(tiny_model_path)
+    drafter = build_drafter("eagle3", cfg.draft.settings, target, seed=cfg.run.seed).train()
+    drafter.load_vllm_state_dict(r["draft_weights1"])  # the trainer's drafter after step 1 (mapping included)
+    hf = load_hf_target(tiny_model_path)
+    loss, weight, acc, unmapped = _offline_specopd_step(drafter, hf, cfg, b, 2, target.eos_token_id)
+    assert abs(acc - unmapped) > 0.1  # comparing unmapped draft ids would show
+    _check_step_against(r, drafter, cfg, weight, loss, acc, before=r["draft_weights1"])
+
+
+@pytest.mark.parametrize("name", ["on_policy_dp2", "on_policy_tp2", "on_policy_cp2", "on_policy_pp2",
+                                  "on_policy_eagle3_pp2_cp2"])
 def test_drafter_on_policy_step_is_the_same_at_dp2_tp2_cp2_pp2(runs, name):
     """Anchors per row and draws per branch (functions of the row and the anchor alone), every TP
     rank a replica on the TP-gathered logits, under CP each branch drafted and scored on its
     anchor's rank, under PP the drafter's microbatches deferred after the schedule and the tree
-    forward run through both stages: the same step as one rank."""
-    base, other = runs["on_policy"], runs[name]
+    forward run through both stages: the same step as one rank. EAGLE-3 at PP = 2 x CP = 2: its
+    branches (bonus token first, also when it lies on the other CP shard) scored through the pipeline."""
+    base, other = runs["on_policy_eagle3" if "eagle3" in name else "on_policy"], runs[name]
     for k in ("draft/loss", "draft/grad_norm", "draft/acceptance_offline", "draft/chains", "draft/positions",
               "draft/branch_tokens"):
         assert other["draft"][k] == pytest.approx(base["draft"][k], rel=1e-5, abs=1e-9), k
@@ -280,7 +371,6 @@ def test_drafter_on_policy_step_is_the_same_at_dp2_tp2_cp2_pp2(runs, name):
 
 # ------------------------------------------------------------------------------- validation
 @pytest.mark.parametrize("extra, key, fragment", [
-    (["draft.kind=eagle3", "draft.loss=e2e_tv"], "draft.branches", "needs a block drafter (allowed kinds: dflash, dspark)"),
     (["policy.context_parallel_impl=megatron_te", "policy.parallel.context=2"], "policy.context_parallel_impl",
      "draft.branches: on_policy replaces the policy's core_attention"),
     (["draft.cotrain=false", "rollout.speculative.draft_model=configs"], "draft.branches",
@@ -302,6 +392,12 @@ def test_on_policy_is_accepted_where_it_is_built():
     assert cfg.policy.parallel.pipeline == 2 and cfg.draft.branches == "on_policy"
     cfg = load_config("configs/demo.yaml", ["draft.branches=on_policy", "draft.loss=e2e_tv"])
     assert cfg.draft.kind == "dflash" and cfg.draft.branches == "on_policy"
+    for name in ("on_policy_eagle3", "on_policy_eagle3_pp2_cp2", "on_policy_eagle3_vocab"):
+        cfg = config(name)
+        assert cfg.draft.kind == "eagle3" and cfg.draft.branches == "on_policy"
+    cfg = load_config("configs/grpo.yaml", BASE + DRAFT + EAGLE3 + ["policy.parallel.tensor=2", "policy.parallel.data=2",
+                                                                   "cluster.cpus_per_node=5"])
+    assert cfg.draft.kind == "eagle3" and cfg.policy.parallel.tensor == 2
 
 
 # ------------------------------------------------------------------------------- the draws
