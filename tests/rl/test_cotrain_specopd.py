@@ -9,12 +9,14 @@
   after it; a microbatch never scored, a CP rank without branches).
 - The policy's step is bit-identical with on-policy and teacher-forced branches: the drafter's
   objective never reaches the policy.
-- The drafter's on-policy step inside the trainer (DFlash and DSpark) equals an independent
+- The drafter's on-policy step inside the trainer (DFlash, DSpark and EAGLE-3) equals an independent
   one-process computation with cotrain.draft.specopd's offline functions (HF taps and logits, HF tree forward, the same
-  anchors and branch seeds): loss, gradient norm and the weights after one AdamW step; DP = 2,
-  TP = 2, CP = 2 and PP = 2 take the same step as one rank.
-- Validation: what is not built (EAGLE-3, transformer-engine attention, no co-training) is refused
-  by name; PP > 1 is accepted.
+  anchors and branch seeds): loss, gradient norm, offline acceptance and the weights after one
+  AdamW step; DP = 2, TP = 2, CP = 2 and PP = 2 take the same step as one rank (EAGLE-3: PP = 2 x
+  CP = 2). EAGLE-3 with a reduced draft vocabulary: the first step builds the mapping from the
+  rollout tokens, the second equals the offline computation with it.
+- Validation: what is not built (transformer-engine attention, no co-training) is refused by name;
+  PP > 1 and EAGLE-3 are accepted.
 
 The drafter optimizer runs with eps = 1 and no clipping, so its first update is ~lr * g: weights
 after the step compare gradients linearly.
