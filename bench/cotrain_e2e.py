@@ -9,7 +9,7 @@ Arms (every arm a complete GRPO run of the same config, seeds and prompts; all a
                      on teacher-forced chains of the rollout tokens (draft.branches = teacher_forced)
     cotrained_<kind>_on_policy
                      the same, co-trained on SpecOPD branches it samples itself (draft.branches =
-                     on_policy; ``--branches teacher_forced,on_policy``; DFlash / DSpark)
+                     on_policy; ``--branches teacher_forced,on_policy``)
     suffix           model-free peer: vLLM's suffix decoding, its global tree fed by the run's own
                      earlier responses (the engine lives for the whole run; needs arctic-inference)
     ngram            model-free peer: prompt lookup (n-gram matches in the request's own tokens)
@@ -88,15 +88,12 @@ def resolve_peers(spec: str) -> list[str]:
 BRANCHES = ("teacher_forced", "on_policy")
 
 
-def resolve_branches(spec: str, kinds: list[str]) -> list[str]:
+def resolve_branches(spec: str) -> list[str]:
     """``--branches``: the co-training objectives to run as arms (one co-trained arm per family each)."""
     branches = [b for b in spec.split(",") if b]
     bad = [b for b in branches if b not in BRANCHES]
     if bad or not branches:
         raise SystemExit(f"--branches: {(bad or [spec])[0]!r} is not a branch source (allowed: {', '.join(BRANCHES)})")
-    if "on_policy" in branches and "eagle3" in kinds:
-        raise SystemExit("--branches: on_policy needs a block drafter (dflash, dspark); --kinds has eagle3 "
-                         "(EAGLE-3 has no on-policy branches: docs/drafters.md)")
     return branches
 
 
@@ -324,7 +321,7 @@ def run(args) -> dict:
     kinds = [k for k in args.kinds.split(",") if k]
     common = [f"grpo.num_steps={args.steps}", "data.eval.every=0", "logging.progress_bar=false",
               "logging.tensorboard=false", "checkpoint.every=100000", "cluster.cpus_per_node=64", *args.overrides]
-    branches = resolve_branches(args.branches, kinds)
+    branches = resolve_branches(args.branches)
     specs = {"plain": (None, "plain", 0, None)}
     if args.plain_seeds == 2:
         specs["plain_seed1"] = (None, "plain", 1, None)
@@ -529,7 +526,7 @@ def main(argv=None) -> int:
                     "(acceptance by response length)")
     ap.add_argument("--schedule", help="a YAML written by python -m cotrain.rl.calibrate --write")
     ap.add_argument("--branches", default="teacher_forced", help="co-trained arms per family, one per "
-                    "draft.branches value: teacher_forced, on_policy (DFlash / DSpark), or both")
+                    "draft.branches value: teacher_forced, on_policy, or both")
     ap.add_argument("--plain-seeds", type=int, choices=(1, 2), default=2, help="plain arms: 2 = seeds 0 and 1 "
                     "(the noise band of reward and KL), 1 = seed 0 only (one arm less in memory)")
     ap.add_argument("--out", default="bench/results/cotrain_e2e.json")
