@@ -625,9 +625,15 @@ def test_cotraining_refuses_what_it_cannot_act_on():
                  "rollout.speculative.draft_model", "must be null with draft.cotrain=true")
     assert_issue(error_of([*COTRAIN_DFLASH, "draft.tap_transport=nccl"]), "draft.tap_transport", "needs cluster.device=cuda")
     frozen = ["draft.kind=dflash", "draft.cotrain=false", "rollout.speculative.draft_model=configs"]
-    for key, value in (("init", "distill:configs/distill_dflash.yaml"), ("push_every", "2"), ("tap_timeout_s", "5.0")):
+    for key, value in (("init", "distill:configs/distill_dflash.yaml"), ("push_every", "2"), ("tap_timeout_s", "5.0"),
+                       ("compare_frozen", "true")):
         assert_issue(error_of([*frozen, f"draft.{key}={value}"]), f"draft.{key}", "used only when co-training")
     assert load_config(DEMO, [*COTRAIN_DFLASH]).draft.tap_transport == "shm"  # auto on cpu
+    # the frozen copy of draft.init beside the co-trained drafter: needs both
+    assert_issue(error_of([*COTRAIN_DFLASH, "draft.compare_frozen=true"]), "draft.compare_frozen", "needs draft.init")
+    assert_issue(error_of(["draft.compare_frozen=true"]), "draft.compare_frozen", "needs a co-trained drafter")
+    assert load_config(DEMO, [*COTRAIN_DFLASH, "draft.compare_frozen=true",
+                              "draft.init=distill:configs/distill_dflash.yaml"]).draft.compare_frozen
 
 
 def test_distill_config_refuses_online_only_keys():
@@ -635,6 +641,8 @@ def test_distill_config_refuses_online_only_keys():
 
     with pytest.raises(ValueError, match=r"draft.push_every: used only by a GRPO run's co-training"):
         load_distill_config(CONFIGS / "distill_dflash.yaml", ["draft.push_every=3"])
+    with pytest.raises(ValueError, match=r"draft.compare_frozen: used only by a GRPO run's co-training"):
+        load_distill_config(CONFIGS / "distill_dflash.yaml", ["draft.compare_frozen=true"])
 
 
 # ------------------------------------------------------------------ suffix decoding (model-free)

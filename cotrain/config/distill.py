@@ -82,7 +82,7 @@ class DistillConfig(StrictModel):
 ON_POLICY_KINDS = ("eagle3", "dflash", "dspark")
 
 #: draft.* keys that only a GRPO run's online co-training reads
-ONLINE_ONLY_KEYS = frozenset({"cotrain", "init", "push_every", "tap_transport", "tap_timeout_s"})
+ONLINE_ONLY_KEYS = frozenset({"cotrain", "init", "push_every", "tap_transport", "tap_timeout_s", "compare_frozen"})
 
 
 def load_distill_config(path: Optional[str | Path] = None, overrides: list[str] = ()) -> DistillConfig:

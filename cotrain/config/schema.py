@@ -655,6 +655,12 @@ class DraftConfig(StrictModel):
     """Initial drafter weights when co-training: null = from scratch (seeded by run.seed), a
     drafter directory (the distill command's <output_dir>/drafter), or 'distill:<yaml>' = the
     cached offline distillation of that distill config (built on first use)."""
+    compare_frozen: bool = False
+    """Also keep a frozen copy of the initial drafter (draft.init) beside the co-trained one and
+    report, every step, its offline acceptance on the same chains (draft/acceptance_offline_frozen,
+    beside draft/acceptance_offline): what a frozen drafter would accept on this run's own policy
+    trajectory, the drift co-training corrects. Costs one forward of the copy per microbatch (no
+    backward) and the copy's memory on the last stage. Needs draft.cotrain and draft.init."""
     push_every: PosInt = 1
     """Push the co-trained drafter into the engines every this many steps."""
     tap_transport: Literal["auto", "shm", "gloo", "nccl", "cuda_ipc"] = "auto"

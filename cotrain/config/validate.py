@@ -488,12 +488,17 @@ def check_draft(cfg: CotrainConfig, arch: ModelArch | None) -> list[Issue]:
     d = cfg.draft
     kind = d.settings
     if kind is None:
+        if d.compare_frozen:
+            issues.append(("draft.compare_frozen", "needs a co-trained drafter (draft.kind is null)"))
         return issues
     if d.loss is not None and d.loss not in d.record.losses:
         issues.append(("draft.loss", f"{d.loss} is not available for draft.kind={d.kind} (allowed: "
                        f"{', '.join(d.record.losses)})"))
     if d.branches == "on_policy":
         issues += _check_on_policy(cfg)
+    if d.compare_frozen and d.cotrain and d.init is None:
+        issues.append(("draft.compare_frozen", "needs draft.init (a drafter directory or 'distill:<yaml>'): a "
+                       "frozen copy of a from-scratch drafter measures nothing"))
     if arch is not None:
         issues += [(f"draft.{d.kind}.{path}", msg) for path, msg in kind.check(arch.num_hidden_layers)]
         if arch.vocab_size is not None:
@@ -503,7 +508,7 @@ def check_draft(cfg: CotrainConfig, arch: ModelArch | None) -> list[Issue]:
         issues.append(("draft.cotrain", f"false with draft.kind={d.kind} and no drafter weights: the drafter "
                        "would stay random (allowed: true, or set rollout.speculative.draft_model)"))
     if not d.cotrain:
-        for key in ("init", "push_every", "tap_timeout_s"):
+        for key in ("init", "push_every", "tap_timeout_s", "compare_frozen"):
             if getattr(d, key) != type(d).model_fields[key].default:
                 issues.append((f"draft.{key}", "is used only when co-training (draft.cotrain=false: the engines "
                                "serve rollout.speculative.draft_model as it is)"))

@@ -40,6 +40,11 @@ positions against those fixed distributions (:meth:`OnlineDraftTrainer._on_polic
 Acceptance (``acceptance_offline``): on the step's chains, 1 + the number of leading drafts equal
 to the policy's greedy token at their position, over the first ``k`` drafts (teacher forcing on the
 rollout tokens; see :mod:`cotrain.draft.acceptance`).
+With ``compare_frozen`` a frozen copy of the drafter as it was built (its initial weights, the
+current policy's shared embedding / LM head, as vLLM would serve it) is scored the same way on the
+same chains (``acceptance_offline_frozen``): the same policy trajectory for both, which separate
+GRPO runs cannot give (speculative sampling keeps the distribution, not the draws, so two runs'
+policies part ways).
 
 Reduced draft vocabulary (EAGLE-3 ``draft_vocab_size``; :mod:`cotrain.draft.vocab`): the loss
 restricts and renormalises p over the draft tokens and drops positions whose greedy token is
@@ -124,6 +129,15 @@ def to_draft_batch(rows: RolloutRows, taps: torch.Tensor, logits: torch.Tensor, 
     return batch, logits
 
 
+def _frozen_copy(drafter: Drafter) -> Drafter:
+    """A copy of ``drafter`` that never trains (``compare_frozen``): no gradients, eval mode."""
+    import copy
+
+    frozen = copy.deepcopy(drafter)
+    frozen.requires_grad_(False)
+    return frozen.eval()
+
+
 def anchor_seed(seed: int, step: int, seq_id: int) -> int:
     """The seed of one row's anchor draw (a fixed mix of the run seed, the step and the row)."""
     return ((int(seed) * 1_000_003 + int(step)) * 1_000_033 + int(seq_id)) % (2**63 - 1)
@@ -171,8 +185,11 @@ class OnlineDraftTrainer:
     """
 
     def __init__(self, drafter: Drafter, draft_cfg, total_steps: int, seed: int = 0, *, cp_size: int = 1,
-                 cp_group=None, reduce_group=None, k: Optional[int] = None, eos_token_id: Optional[int] = None):
+                 cp_group=None, reduce_group=None, k: Optional[int] = None, eos_token_id: Optional[int] = None,
+                 compare_frozen: bool = False):
         self.drafter = drafter
+        # the drafter as built (draft.init), never trained: its acceptance on the same chains
+        self.frozen: Optional[Drafter] = _frozen_copy(drafter) if compare_frozen else None
         self.cfg = draft_cfg
         self.loss_name = draft_cfg.loss or draft_cfg.settings.default_loss
         self.branches = getattr(draft_cfg, "branches", "teacher_forced")
@@ -202,10 +219,13 @@ class OnlineDraftTrainer:
     @torch.no_grad()
     def set_shared(self, embed: Optional[torch.Tensor] = None, lm_head: Optional[torch.Tensor] = None) -> None:
         """The target tensors the drafter borrows (vLLM shares them with the served policy)."""
-        if embed is not None:
-            self.drafter.embed_weight.copy_(embed.to(self.drafter.embed_weight.dtype))
-        if lm_head is not None:
-            self.drafter.target_lm_head.copy_(lm_head.to(self.drafter.target_lm_head.dtype))
+        for d in (self.drafter, self.frozen):
+            if d is None:
+                continue
+            if embed is not None:
+                d.embed_weight.copy_(embed.to(d.embed_weight.dtype))
+            if lm_head is not None:
+                d.target_lm_head.copy_(lm_head.to(d.target_lm_head.dtype))
 
     def begin_step(self, step: int, embed: Optional[torch.Tensor] = None,
                    lm_head: Optional[torch.Tensor] = None) -> None:
@@ -214,8 +234,9 @@ class OnlineDraftTrainer:
         self.drafter.train()
         self.optimizer.zero_grad(set_to_none=True)
         self._stats = dict.fromkeys(("loss_sum", "weight", "overlap_sum", "top1_sum", "positions", "accept_sum",
-                                     "chains", "microbatches", "branch_tokens"), 0.0)
-        self._timers = {"tree_s": 0.0, "eval_s": 0.0}  # this rank's seconds (not reduced)
+                                     "chains", "microbatches", "branch_tokens", "accept_sum_frozen",
+                                     "chains_frozen"), 0.0)
+        self._timers = {"tree_s": 0.0, "eval_s": 0.0, "frozen_s": 0.0}  # this rank's seconds (not reduced)
         if self.vocab_counts is not None:
             self._step_counts = torch.zeros_like(self.vocab_counts)
         self._seconds = 0.0
@@ -242,14 +263,14 @@ class OnlineDraftTrainer:
         (see :meth:`_on_policy`)."""
         if self._step is None:
             raise RuntimeError("call begin_step before microbatch")
-        t0 = time.perf_counter()
+        t0, f0 = time.perf_counter(), self._timers["frozen_s"]
         batch, local_logits = to_draft_batch(rows, taps, logits, self.cp_size)
         layout = self._layout_for(batch, rows.seq_ids, self._step)
         if self.branches == "on_policy":
             if scorer is None:
                 raise ValueError("draft.branches: on_policy needs the policy's tree scorer for every microbatch")
             m = self._on_policy(rows, batch, local_logits, layout, scorer)
-            self._seconds += time.perf_counter() - t0
+            self._seconds += time.perf_counter() - t0 - (self._timers["frozen_s"] - f0)
             return m
         with torch.enable_grad():
             out = self.drafter(batch, layout, group=self.cp_group if self.cp_size > 1 else None)
@@ -275,11 +296,14 @@ class OnlineDraftTrainer:
                 drafted = vocab.to_target(drafted)
                 # the rollout tokens the drafts predict (every CP rank holds whole rows: each counts them all)
                 self._step_counts += token_counts(batch.input_ids, batch.loss_mask, vocab.vocab_size)
-            greedy = (drafted == p.source.argmax(-1)[p.rows_index]) & valid
+            best = p.source.argmax(-1)[p.rows_index]
+            greedy = (drafted == best) & valid
             lens = accept_lengths(greedy, self.k) * first  # chains whose first draft is supervised
+            if self.frozen is not None:
+                self._frozen_acceptance(batch, layout, best)
         self._accumulate(m, weight, n, lens, first)
         self._stats["microbatches"] += 1
-        self._seconds += time.perf_counter() - t0
+        self._seconds += time.perf_counter() - t0 - (self._timers["frozen_s"] - f0)  # co-training's time only
         return m
 
     def _accumulate(self, m: dict, weight, n, lens: torch.Tensor, first: torch.Tensor) -> None:
@@ -293,6 +317,23 @@ class OnlineDraftTrainer:
         st["positions"] += n
         st["accept_sum"] += lens.sum()
         st["chains"] += first.sum()
+
+    @torch.no_grad()
+    def _frozen_acceptance(self, batch: DraftBatch, layout, best: torch.Tensor) -> None:
+        """``compare_frozen``: the frozen copy's greedy acceptance on the chains the drafter was just
+        scored on (``best``: the policy's greedy token at each chain position, as the drafter's own
+        acceptance uses), added to the step's sums; its seconds are kept out of ``time_s``."""
+        t0 = time.perf_counter()
+        out = self.frozen(batch, layout, group=self.cp_group if self.cp_size > 1 else None)
+        drafted = out.logits.argmax(-1)
+        vocab = getattr(self.frozen, "vocab", None)
+        if vocab is not None:
+            drafted = vocab.to_target(drafted)
+        first = out.valid[:, 0]
+        lens = accept_lengths((drafted == best) & out.valid, self.k) * first
+        self._stats["accept_sum_frozen"] += lens.sum()
+        self._stats["chains_frozen"] += first.sum()
+        self._timers["frozen_s"] += time.perf_counter() - t0
 
     def _on_policy(self, rows: RolloutRows, batch: DraftBatch, local_logits: torch.Tensor, layout,
                    scorer: Callable) -> dict[str, torch.Tensor]:
@@ -367,6 +408,8 @@ class OnlineDraftTrainer:
             greedy = (drafted == best) & out.valid
             lens = accept_lengths(greedy, self.k) * out.valid[:, 0]
         self._timers["eval_s"] += time.perf_counter() - t1
+        if self.frozen is not None:
+            self._frozen_acceptance(batch, layout, best)
         self._accumulate(m, weight, n, lens, out.valid[:, 0])
         return m
 
@@ -392,8 +435,12 @@ class OnlineDraftTrainer:
                    "top1_match": s["top1_sum"] / s["positions"] if s["positions"] else float("nan"),
                    "acceptance_offline": s["accept_sum"] / s["chains"] if s["chains"] else float("nan"),
                    "positions": s["positions"], "chains": s["chains"]}
+        if self.frozen is not None:
+            metrics["acceptance_offline_frozen"] = (s["accept_sum_frozen"] / s["chains_frozen"] if s["chains_frozen"]
+                                                    else float("nan"))
+            metrics["frozen_s"] = self._timers["frozen_s"]  # not in time_s: a measurement, not co-training
         if self.branches == "on_policy":  # branch tokens the policy scored (the group's); seconds: this rank's
-            metrics.update(branch_tokens=s["branch_tokens"], **self._timers)
+            metrics.update(branch_tokens=s["branch_tokens"], tree_s=self._timers["tree_s"], eval_s=self._timers["eval_s"])
         lr = lr_at(self.steps_done, self.total_steps, self.cfg.optimizer)
         vocab = getattr(self.drafter, "vocab", None)
         placeholder = vocab is not None and vocab.source == "placeholder"

@@ -118,7 +118,7 @@ class DraftStage:
         self.hooks.enabled = False
         self.trainer: Optional[OnlineDraftTrainer] = None
         # draft.branches: on_policy (SpecOPD): the stem's keys/values of the log-prob forward,
-        # captured for the branch tokens' tree forward (validation: block drafters); at PP > 1 the
+        # captured for the branch tokens' tree forward (every drafter kind); at PP > 1 the
         # drafter's microbatches wait for the end of the schedule (``_deferred``, last stage)
         self.on_policy = d.branches == "on_policy"
         self.stem = self.tree = None
@@ -138,7 +138,7 @@ class DraftStage:
                 drafter, d, total_steps=cfg.grpo.num_steps, seed=cfg.run.seed, cp_size=self.cp,
                 cp_group=ps.get_context_parallel_group() if self.cp > 1 else None,
                 reduce_group=ps.get_data_parallel_group(with_context_parallel=True), k=k,
-                eos_token_id=target.eos_token_id)
+                eos_token_id=target.eos_token_id, compare_frozen=d.compare_frozen)
         self._active = False
 
     # ------------------------------------------------------------------ shared tensors

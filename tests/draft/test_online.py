@@ -88,3 +88,43 @@ def test_balanced_anchor_sampling_evens_the_cp_work(tiny_model_path):
     mean = {k: sum(v) / len(v) for k, v in imb.items()}
     assert mean["balanced"] - 1 < 0.5 * (mean["uniform"] - 1), mean
     assert max(imb["balanced"]) < 1.10, imb
+
+
+def test_compare_frozen_scores_the_initial_drafter_on_the_same_chains(tiny_model_path):
+    """``compare_frozen``: the frozen copy's acceptance at every step is exactly what a trainer whose
+    drafter never moves (lr 1e-30) measures on the same inputs, and it follows the shared tensors; the
+    co-trained drafter, taught one greedy token everywhere, leaves it behind."""
+    target = TargetSpec.from_checkpoint(tiny_model_path)
+
+    def trainer(lr, compare):
+        cfg = DraftConfig.model_validate({"kind": "dflash", "loss": "soft_ce", "optimizer": {"lr": lr},
+                                          "dflash": {"block_size": 4, "anchors_per_seq": 3}})
+        drafter = build_drafter("dflash", cfg.settings, target, seed=0)
+        return OnlineDraftTrainer(drafter, cfg, total_steps=10, seed=7, compare_frozen=compare)
+
+    trained, still = trainer(0.05, True), trainer(1e-30, False)  # lr 1e-30: updates below float32 rounding
+    rows = _long_rows(n=4, S=32)
+    n, S = rows.inputs.shape
+    width, V = trained.drafter.num_taps * target.arch.hidden_size, target.arch.vocab_size
+    g = torch.Generator().manual_seed(0)
+    seen = []
+    for step in (1, 2, 3, 4):
+        taps = torch.randn(n * S, width, generator=g)
+        logits = torch.randn(n * S, V, generator=g)
+        logits[:, 9] += 8.0  # the policy's greedy token is 9 everywhere: learnable in a few steps
+        lm_head = target.lm_head + 0.01 * step  # the policy's head moves; both drafters borrow it
+        ms = []
+        for t in (trained, still):
+            t.begin_step(step, lm_head=lm_head)
+            t.microbatch(rows, taps, logits)
+            ms.append(t.end_step())
+        assert torch.equal(trained.frozen.target_lm_head, lm_head.to(trained.frozen.target_lm_head.dtype))
+        assert ms[0]["acceptance_offline_frozen"] == ms[1]["acceptance_offline"]
+        assert "acceptance_offline_frozen" not in ms[1]
+        seen.append(ms[0])
+    # the same drafter before its first update; the frozen copy's weights are the untrained ones
+    assert seen[0]["acceptance_offline"] == seen[0]["acceptance_offline_frozen"]
+    frozen, kept = dict(trained.frozen.named_parameters()), dict(still.drafter.named_parameters())
+    assert all(torch.equal(frozen[k], kept[k]) for k in kept)
+    assert not all(torch.equal(frozen[k], p) for k, p in trained.drafter.named_parameters())
+    assert seen[-1]["acceptance_offline"] > seen[-1]["acceptance_offline_frozen"] + 0.5
