@@ -48,6 +48,8 @@ seconds per phase of every arm.
     python bench/cotrain_e2e.py --peers none              # drafters only
     python bench/cotrain_e2e.py --kinds dflash --branches teacher_forced,on_policy --plain-seeds 1
                                                          # co-training objectives side by side
+    python bench/cotrain_e2e.py --compare-frozen ...      # + each co-trained arm's frozen copy scored on
+                                                         # the arm's own chains (draft.compare_frozen)
     python bench/cotrain_e2e.py --quick                  # smoke test: the tiny model, 2 steps, DFlash, n-gram
 """
 
@@ -103,7 +105,7 @@ def cotrained_arm(kind: str, branches: str) -> str:
 
 
 def arm_overrides(base: str, kind: str | None, mode: str, k: int, schedule: str | None,
-                  branches: str = "teacher_forced") -> list[str]:
+                  branches: str = "teacher_forced", compare_frozen: bool = False) -> list[str]:
     """Overrides turning the base config into one arm (``mode`` 'plain', 'frozen', 'cotrained' or a peer;
     ``branches``: the co-trained arm's draft.branches)."""
     if mode in PEERS:  # model-free: no drafter anywhere
@@ -122,6 +124,8 @@ def arm_overrides(base: str, kind: str | None, mode: str, k: int, schedule: str 
                f"rollout.speculative.draft_model={ensure_distilled(ROOT / distill) / 'drafter'}"]
     else:
         ov += ["draft.cotrain=true", f"draft.init=distill:{distill}", f"draft.branches={branches}"]
+        if compare_frozen:  # the frozen copy on this arm's own chains: the same policy trajectory
+            ov.append("draft.compare_frozen=true")
     if schedule:
         import yaml
 
@@ -217,6 +221,24 @@ def summarize(arms: dict[str, list[dict]], kinds: list[str], tail: int, peers: l
                 "note": "acceptance ratio = on-policy / teacher-forced co-trained arm's vLLM acceptance on the same step; "
                         "draft_time_ratio = their summed drafter-step times",
             }
+    same = {}  # draft.compare_frozen: each co-trained arm against its frozen copy on the arm's own chains
+    for arm, ms in arms.items():
+        if not any("draft/acceptance_offline_frozen" in m for m in ms):
+            continue
+        co = [m["draft/acceptance_offline"] for m in ms]
+        fr = [m["draft/acceptance_offline_frozen"] for m in ms]
+        gap = [a - b for a, b in zip(co, fr)]
+        mean = lambda v: statistics.mean(v) if v else float("nan")  # noqa: E731
+        same[arm] = {"cotrained_first": mean(co[:tail]), "cotrained_last": mean(co[-tail:]),
+                     "frozen_first": mean(fr[:tail]), "frozen_last": mean(fr[-tail:]),
+                     "cotrained_retained": mean(co[-tail:]) / mean(co[:tail]),
+                     "frozen_retained": mean(fr[-tail:]) / mean(fr[:tail]),
+                     "gap_last": mean(gap[-tail:]),
+                     "frozen_eval_s_median": statistics.median(m.get("draft/frozen_s", 0.0) for m in ms),
+                     "note": "offline greedy acceptance (1 + leading drafts equal to the policy's greedy token, k "
+                             "drafts) on the arm's own rollout chains: co-trained drafter vs the frozen copy of its start"}
+    if same:
+        out["same_trajectory"] = same
     out["noise"] = {key: statistics.mean(m["reward/mean"] for m in arms[n])
                     for key, n in (("reward_mean_seed0", "plain"), ("reward_mean_seed1", "plain_seed1")) if n in arms}
     out["arms"] = per_arm
@@ -247,7 +269,8 @@ def plot(result: dict, png: Path) -> None:
 
     arms, kinds = result["arms"], result["kinds"]
     steps = range(1, result["steps"] + 1)
-    fig, ax = plt.subplots(1, 4, figsize=(20, 4.2))
+    same = [n for n, ms in arms.items() if any("draft/acceptance_offline_frozen" in m for m in ms)]
+    fig, ax = plt.subplots(1, 5 if same else 4, figsize=(25 if same else 20, 4.2))
     for i, kind in enumerate(kinds):
         for name, ls in ((f"frozen_{kind}", "--"), (f"cotrained_{kind}", "-"), (f"cotrained_{kind}_on_policy", "-.")):
             if name in arms:
@@ -276,6 +299,13 @@ def plot(result: dict, png: Path) -> None:
     ax[3].bar(names, draft, bottom=rollout, color="none", edgecolor="k", hatch="//", label="of which the drafter")
     ax[3].set_title("median seconds per step")
     ax[3].tick_params(axis="x", rotation=30)
+    for j, name in enumerate(same):  # draft.compare_frozen: the same chains, the same policy trajectory
+        ax[4].plot(steps, [m.get("draft/acceptance_offline", float("nan")) for m in arms[name]], "-",
+                   color=f"C{j}", label=f"{name}: co-trained")
+        ax[4].plot(steps, [m.get("draft/acceptance_offline_frozen", float("nan")) for m in arms[name]], ":",
+                   color=f"C{j}", label=f"{name}: frozen copy")
+    if same:
+        ax[4].set_title("offline acceptance on the arm's own chains")
     for a in ax:
         a.legend(fontsize=7)
         if a is not ax[3]:
@@ -338,7 +368,8 @@ def run(args) -> dict:
     metrics: dict[str, list[dict]] = {n: [] for n in specs}
     try:
         for name, (kind, mode, seed, b) in specs.items():
-            ov = common + arm_overrides(base, kind, mode, args.k, args.schedule if kind else None, b or "teacher_forced")
+            ov = common + arm_overrides(base, kind, mode, args.k, args.schedule if kind else None, b or "teacher_forced",
+                                        args.compare_frozen)
             ov += [f"run.seed={seed}", f"run.output_dir={out_root / name}", f"run.name={name}"]
             cfg = load_config(args.config, ov)
             print(f"[setup] {name}", flush=True)
@@ -376,13 +407,15 @@ def run(args) -> dict:
 
 KEEP = ("time/step", "time/start", "time/end", *PHASES, "time/draft_push", "tap/wait_s", "rollout/tokens_per_s", "reward/mean", "kl/ref",
         "kl/train_infer", "spec/acceptance_length", "draft/acceptance_offline", "draft/loss", "response/length",
-        "spec/acceptance_short", "spec/acceptance_long", "spec/responses_short", "spec/responses_long")
+        "spec/acceptance_short", "spec/acceptance_long", "spec/responses_short", "spec/responses_long",
+        "draft/acceptance_offline_frozen", "draft/frozen_s")
 
 
 def _result(args, kinds: list[str], peers: list[str], metrics: dict[str, list[dict]], steps: int) -> dict:
     arms = {n: [{k: v for k, v in m.items() if k in KEEP} for m in ms[:steps]] for n, ms in metrics.items()}
     result = {"config": args.config, "steps": steps, "kinds": kinds, "peers": peers, "k": args.k,
               "branches": args.branches.split(","), "plain_seeds": args.plain_seeds,
+              "compare_frozen": getattr(args, "compare_frozen", False),
               "schedule": args.schedule, "long_tokens": args.long_tokens, "overrides": args.overrides, "arms": arms,
               "machine": machine_info()}
     result["warmup"] = args.warmup
@@ -409,6 +442,9 @@ def report(result: dict) -> str:
             lines.append(f"  on-policy co-training: acceptance {o['acceptance_first']:.2f} -> {o['acceptance_last']:.2f}, "
                          f"per step vs teacher-forced {_rng(o['per_step_acceptance_ratio'])}, drafter time "
                          f"{o['draft_time_ratio']:.2f}x teacher-forced's, update-time overhead {100 * o['update_overhead']:.1f}%")
+    for name, t in result["summary"].get("same_trajectory", {}).items():
+        lines.append(f"{name} on its own chains: co-trained {t['cotrained_first']:.2f} -> {t['cotrained_last']:.2f}, "
+                     f"frozen copy {t['frozen_first']:.2f} -> {t['frozen_last']:.2f} (offline greedy acceptance)")
     arms = result["summary"].get("arms", {})
     if arms:
         lines.append(f"{'arm':<26} {'rollout':>8} {'e2e':>6} {'acc first':>9} {'acc last':>8} {'acc short':>9} "
@@ -476,6 +512,17 @@ def markdown(result: dict) -> str:
             out.append(f"| {kind} | {s_['acceptance_first']['cotrained']:.2f} -> {s_['acceptance_last']['cotrained']:.2f} | "
                        f"{o['acceptance_first']:.2f} -> {o['acceptance_last']:.2f} | {_rng(o['per_step_acceptance_ratio'])} | "
                        f"{o['draft_time_ratio']:.2f}x | {100 * o['update_overhead']:.1f}% |")
+    same = S.get("same_trajectory", {})
+    if same:
+        out += ["", "Same policy trajectory (`draft.compare_frozen`: each co-trained arm's drafter and a frozen copy of its "
+                "start, offline greedy acceptance on the arm's own rollout chains at every step; first / last steps as "
+                "above):", "",
+                "| arm | co-trained (first -> last) | kept | frozen copy (first -> last) | kept | co-trained - frozen at the end |",
+                "|---|---|---|---|---|---|"]
+        for name, t in same.items():
+            out.append(f"| {name} | {t['cotrained_first']:.2f} -> {t['cotrained_last']:.2f} | "
+                       f"{100 * t['cotrained_retained']:.1f}% | {t['frozen_first']:.2f} -> {t['frozen_last']:.2f} | "
+                       f"{100 * t['frozen_retained']:.1f}% | {t['gap_last']:+.2f} |")
     out += ["", "Every arm (the same keys for drafters and model-free peers; acceptance = vLLM's tokens per "
             f"verification round; short / long = responses under / at least {result.get('long_tokens', 48)} tokens, "
             "pooled per request over the run):", "",
@@ -527,6 +574,9 @@ def main(argv=None) -> int:
     ap.add_argument("--schedule", help="a YAML written by python -m cotrain.rl.calibrate --write")
     ap.add_argument("--branches", default="teacher_forced", help="co-trained arms per family, one per "
                     "draft.branches value: teacher_forced, on_policy, or both")
+    ap.add_argument("--compare-frozen", action="store_true", help="co-trained arms also score a frozen copy of "
+                    "their initial drafter on their own chains every step (draft.compare_frozen: the same policy "
+                    "trajectory; its forward is in the step's time)")
     ap.add_argument("--plain-seeds", type=int, choices=(1, 2), default=2, help="plain arms: 2 = seeds 0 and 1 "
                     "(the noise band of reward and KL), 1 = seed 0 only (one arm less in memory)")
     ap.add_argument("--out", default="bench/results/cotrain_e2e.json")

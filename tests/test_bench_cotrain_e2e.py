@@ -40,6 +40,10 @@ def fake_arms(steps: int, seed: int = 0) -> dict:
             if name != "plain":
                 m["spec/acceptance_length"] = rng.uniform(2, 4)
                 m["time/draft"] = rng.uniform(0.2, 1.0) if name.startswith("cotrained") else 0.0
+            if name.startswith("cotrained"):  # --compare-frozen
+                m["draft/acceptance_offline"] = rng.uniform(2, 4)
+                m["draft/acceptance_offline_frozen"] = rng.uniform(2, 4)
+                m["draft/frozen_s"] = rng.uniform(0.01, 0.1)
             ms.append(m)
         arms[name] = ms
     return arms
@@ -73,6 +77,17 @@ def test_on_policy_arm_is_summarised_against_the_teacher_forced_arm_on_the_same_
     # one plain seed: no noise band, the seed-0 mean only
     assert S["noise"] == {"reward_mean_seed0": pytest.approx(statistics.mean(m["reward/mean"] for m in arms["plain"]))}
     assert set(S["arms"]) == set(ARMS[1:])
+    # --compare-frozen: each co-trained arm against its frozen copy on its own chains
+    assert set(S["same_trajectory"]) == {"cotrained_dflash", "cotrained_dflash_on_policy"}
+    for name in S["same_trajectory"]:
+        t, ms = S["same_trajectory"][name], arms[name]
+        co = [m["draft/acceptance_offline"] for m in ms]
+        fr = [m["draft/acceptance_offline_frozen"] for m in ms]
+        assert t["cotrained_first"] == pytest.approx(statistics.mean(co[:tail]))
+        assert t["frozen_last"] == pytest.approx(statistics.mean(fr[-tail:]))
+        assert t["frozen_retained"] == pytest.approx(statistics.mean(fr[-tail:]) / statistics.mean(fr[:tail]))
+        assert t["cotrained_retained"] == pytest.approx(statistics.mean(co[-tail:]) / statistics.mean(co[:tail]))
+        assert t["gap_last"] == pytest.approx(statistics.mean(co[-tail:]) - statistics.mean(fr[-tail:]))
 
 
 def test_markdown_and_plot_render_the_on_policy_arm(bench, tmp_path):
@@ -82,9 +97,14 @@ def test_markdown_and_plot_render_the_on_policy_arm(bench, tmp_path):
               "warmup": 1, "arms": arms, "summary": bench.summarize(arms, ["dflash"], tail=2, warmup=1)}
     md = bench.markdown(result)
     o = result["summary"]["dflash"]["on_policy"]
-    row = [line for line in md.splitlines() if line.startswith("| dflash |") and f"{o['draft_time_ratio']:.2f}x" in line]
+    r = o["per_step_acceptance_ratio"]
+    ratio = f"{r['median']:.2f} [{r['min']:.2f}, {r['max']:.2f}]"
+    row = [line for line in md.splitlines() if line.startswith("| dflash |") and ratio in line]
+    assert len(row) == 1 and f"| {o['draft_time_ratio']:.2f}x |" in row[0]
     assert len(row) == 1 and f"{o['acceptance_first']:.2f} -> {o['acceptance_last']:.2f}" in row[0]
     assert f"{100 * o['acceptance_retained']:.1f}%" in md
+    t = result["summary"]["same_trajectory"]["cotrained_dflash"]
+    assert f"| cotrained_dflash | {t['cotrained_first']:.2f} -> {t['cotrained_last']:.2f} |" in md
     assert "cotrained_dflash_on_policy" in bench.report(result)
     png = tmp_path / "e2e.png"
     bench.plot(result, png)  # no plain_seed1 arm: no noise band, and no KeyError
@@ -101,9 +121,18 @@ def test_branches_option_refuses_what_is_not_a_branch_source(bench, spec, fragme
     assert bench.resolve_branches("on_policy,teacher_forced") == ["on_policy", "teacher_forced"]
 
 
-def test_arm_overrides_set_the_branch_source_of_the_cotrained_arm_only(bench):
+def test_arm_overrides_set_the_branch_source_of_the_cotrained_arm_only(bench, monkeypatch, tmp_path):
+    import cotrain.draft.cache
+
+    # the frozen arm serves the cached distillation: its path only (no distillation run here)
+    monkeypatch.setattr(cotrain.draft.cache, "ensure_distilled", lambda path: tmp_path)
     ov = bench.arm_overrides("bench_small", "dflash", "cotrained", 4, None, "on_policy")
     assert "draft.branches=on_policy" in ov and "draft.cotrain=true" in ov
+    assert "draft.compare_frozen=true" not in ov
+    assert "draft.compare_frozen=true" in bench.arm_overrides("bench_small", "dflash", "cotrained", 4, None,
+                                                              "teacher_forced", compare_frozen=True)
+    assert "draft.compare_frozen=true" not in bench.arm_overrides("bench_small", "dflash", "frozen", 4, None,
+                                                                  "teacher_forced", compare_frozen=True)
     assert bench.cotrained_arm("dflash", "on_policy") == "cotrained_dflash_on_policy"
     assert bench.cotrained_arm("dflash", "teacher_forced") == "cotrained_dflash"
     assert not any(o.startswith("draft.branches") for o in bench.arm_overrides("bench_small", None, "plain", 4, None))
