@@ -361,7 +361,7 @@ def run(args) -> dict:
             specs[cotrained_arm(kind, b)] = (kind, "cotrained", 0, b)
     peers = resolve_peers(args.peers)
     for peer in peers:
-        specs[peer] = (None, peer, 0)
+        specs[peer] = (None, peer, 0, None)
     out_root = Path(args.out).with_suffix("")
     runs: dict[str, GrpoRun] = {}
     last: dict[str, list] = {}  # the samples of each arm's latest rollout
