@@ -104,6 +104,29 @@ def _engine(cfg, model_path: str, drafter: Optional[str], k: int):
     return actor
 
 
+def _with_cpus_for(cfg, engines: int):
+    """``cfg`` with a local Ray cluster large enough for ``engines`` engines at once: they are all alive
+    for the whole calibration but generate one at a time (interleaved rounds), so their logical CPUs
+    may exceed the machine's. A configured cluster (``cluster.ray_address``) is left as it is."""
+    need = engines * cfg.rollout.cpus_per_engine
+    if cfg.cluster.ray_address not in (None, "local") or (cfg.cluster.cpus_per_node or 0) >= need:
+        return cfg
+    return cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"cpus_per_node": need})})
+
+
+def _check_cpus(cfg, engines: int) -> None:
+    """Refuse (instead of waiting forever for an actor that cannot be placed) when the Ray cluster has
+    fewer CPUs than the engines reserve."""
+    import ray
+
+    need = engines * cfg.rollout.cpus_per_engine
+    have = ray.cluster_resources().get("CPU", 0)
+    if have < need:
+        raise ValueError(f"calibration starts {engines} engines (plain + one per k of --ks) of "
+                         f"rollout.cpus_per_engine={cfg.rollout.cpus_per_engine} CPUs: {need} CPUs, the Ray cluster "
+                         f"has {have:g} (measure fewer k with --ks, or lower rollout.cpus_per_engine)")
+
+
 def calibrate(cfg, batch_sizes: list[int], ks: list[int], max_tokens: int, rounds: int, max_batch: int,
               progress: bool = True) -> dict:
     import ray
@@ -129,7 +152,8 @@ def calibrate(cfg, batch_sizes: list[int], ks: list[int], max_tokens: int, round
         if drafter is None:
             raise ValueError("draft.init is null: a from-scratch drafter has no acceptance to calibrate on; "
                              "set draft.init (a drafter directory or distill:<yaml>)")
-    init_ray(cfg)
+    init_ray(_with_cpus_for(cfg, len(ks) + 1))
+    _check_cpus(cfg, len(ks) + 1)
     engines = {k: _engine(cfg, model_path, drafter, k) for k in [0, *ks]}
     train, _ = load_problems(cfg)
     s = cfg.rollout.sampling
