@@ -20,6 +20,25 @@ def make_drafter(kind, target, seed=3):
     return d
 
 
+def ks_statistic(u: torch.Tensor) -> float:
+    """Kolmogorov-Smirnov distance of the sample ``u`` from Uniform(0, 1)."""
+    u = torch.sort(u).values
+    n = u.numel()
+    i = torch.arange(1, n + 1, dtype=u.dtype)
+    return float(torch.maximum(i / n - u, u - (i - 1) / n).max())
+
+
+def randomised_pit(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, seed: int = 8) -> torch.Tensor:
+    """Randomised probability integral transform of each draw ``tokens`` under softmax(logits / T):
+    F(y-) + u p(y), u ~ U(0, 1) (seeded); Uniform(0, 1) exactly when the draws follow that distribution."""
+    probs = torch.softmax(logits.detach().double() / temperature, -1)
+    y = tokens[..., None]
+    p_y = probs.gather(-1, y).squeeze(-1)
+    below = torch.cumsum(probs, -1).gather(-1, y).squeeze(-1) - p_y
+    u = torch.rand(y.shape[:-1], generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return (below + u * p_y).reshape(-1)
+
+
 def make_batch(model, drafter, lens=LENS, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, 100, (sum(lens),), generator=g)

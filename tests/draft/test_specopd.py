@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from _specopd_cp import LENS, SETTINGS, make_batch, make_drafter
+from _specopd_cp import LENS, SETTINGS, ks_statistic, make_batch, make_drafter, randomised_pit
 from cotrain.draft import specopd
 from cotrain.draft.common import DraftBatch
 
@@ -144,13 +144,6 @@ def test_branch_logits_are_the_drafters_own_conditionals_step_by_step(model, tar
                 assert torch.equal(br.tokens[:, i], out.logits[:, i].argmax(-1))
 
 
-def _ks(u: torch.Tensor) -> float:
-    u = torch.sort(u).values
-    n = u.numel()
-    i = torch.arange(1, n + 1, dtype=u.dtype)
-    return float(torch.maximum(i / n - u, u - (i - 1) / n).max())
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_sampled_tokens_follow_the_drafter_distribution(model, target, kind, one_thread):
     """Randomised probability integral transform of every draw against softmax(logits / T) of the
@@ -165,18 +158,13 @@ def test_sampled_tokens_follow_the_drafter_distribution(model, target, kind, one
     br = specopd.sample_branches(d, batch, layout, torch.Generator().manual_seed(7), temperature=T)
 
     def pit(temp):
-        probs = torch.softmax(br.logits.detach().double() / temp, -1)
-        cdf = torch.cumsum(probs, -1)
-        y = br.tokens[..., None]
-        below = cdf.gather(-1, y).squeeze(-1) - probs.gather(-1, y).squeeze(-1)
-        u = torch.rand(y.shape[:-1], generator=torch.Generator().manual_seed(8), dtype=torch.float64)
-        return (below + u * probs.gather(-1, y).squeeze(-1)).reshape(-1)
+        return randomised_pit(br.logits, br.tokens, temp)
 
     n = br.tokens.numel()
     assert n > 1000
     crit = 1.95 / math.sqrt(n)
-    assert _ks(pit(T)) < crit
-    assert _ks(pit(2.0 * T)) > crit and _ks(pit(0.5 * T)) > crit
+    assert ks_statistic(pit(T)) < crit
+    assert ks_statistic(pit(2.0 * T)) > crit and ks_statistic(pit(0.5 * T)) > crit
 
 
 @pytest.mark.parametrize("kind", KINDS)

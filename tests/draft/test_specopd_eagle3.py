@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from _specopd_cp import make_batch
+from _specopd_cp import ks_statistic, make_batch, randomised_pit
 from cotrain.draft import specopd
 from cotrain.draft.common import DraftBatch
 from cotrain.draft.registry import build_drafter
@@ -155,13 +155,6 @@ def test_later_passes_depend_on_the_earlier_draws(model, target, one_thread):
     assert bool(((again.logits[:, 2] - br.logits[:, 2]).abs().amax(-1) > 1e-4).all())
 
 
-def _ks(u: torch.Tensor) -> float:
-    u = torch.sort(u).values
-    n = u.numel()
-    i = torch.arange(1, n + 1, dtype=u.dtype)
-    return float(torch.maximum(i / n - u, u - (i - 1) / n).max())
-
-
 def test_sampled_tokens_follow_the_drafter_distribution(model, target, one_thread):
     """Randomised probability integral transform of every draw against softmax(logits / T) of its
     pass (which the conditionals test ties to the drafter's distribution given the earlier draws):
@@ -173,19 +166,14 @@ def test_sampled_tokens_follow_the_drafter_distribution(model, target, one_threa
     br = specopd.sample_branches(d, batch, d.build_layout(batch), torch.Generator().manual_seed(7), temperature=T)
 
     def pit(temp):
-        probs = torch.softmax(br.logits.detach().double() / temp, -1)
-        cdf = torch.cumsum(probs, -1)
-        y = br.tokens[..., None]
-        below = cdf.gather(-1, y).squeeze(-1) - probs.gather(-1, y).squeeze(-1)
-        u = torch.rand(y.shape[:-1], generator=torch.Generator().manual_seed(8), dtype=torch.float64)
-        return (below + u * probs.gather(-1, y).squeeze(-1)).reshape(-1)
+        return randomised_pit(br.logits, br.tokens, temp)
 
     n = br.tokens.numel()
     assert n > 8000
     crit = 1.95 / math.sqrt(n)
-    assert _ks(pit(T)) < crit
+    assert ks_statistic(pit(T)) < crit
     for wrong in (1.25, 1 / 1.25, 2.0, 0.5):
-        assert _ks(pit(wrong * T)) > crit, wrong
+        assert ks_statistic(pit(wrong * T)) > crit, wrong
     # inverse-CDF draws at given uniforms (the online path's rank-independent draws): reproducible
     u = torch.rand(br.tokens.shape, generator=torch.Generator().manual_seed(9))
     a = specopd.sample_branches(d, batch, d.build_layout(batch), temperature=T, uniforms=u)
