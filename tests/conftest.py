@@ -30,6 +30,26 @@ def tiny_model_path(builtin_model_path):
     return builtin_model_path("tiny")
 
 
+@pytest.fixture(scope="session")
+def load_bench():
+    """name -> ``bench/<name>.py`` imported as a module (the benchmark scripts are not a package),
+    each once per session."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    modules = {}
+
+    def get(name: str):
+        if name not in modules:
+            spec = importlib.util.spec_from_file_location(f"bench_{name}", root / "bench" / f"{name}.py")
+            modules[name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(modules[name])
+        return modules[name]
+
+    return get
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -6,22 +6,15 @@ under a second, what it derives from per-step metrics when a run has the on-poli
 drawn at random and every summary value is recomputed from them independently.
 """
 
-import importlib.util
 import random
 import statistics
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_cotrain_e2e", ROOT / "bench" / "cotrain_e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench(load_bench):
+    return load_bench("cotrain_e2e")
 
 
 ARMS = ("plain", "frozen_dflash", "cotrained_dflash", "cotrained_dflash_on_policy")

@@ -2,20 +2,12 @@
 smaller in parameters, optimizer state and step memory in every round; every summary number is
 recomputed from the per-round raw values, and the figure's bars are the medians."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_draft_vocab", ROOT / "bench" / "draft_vocab.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bench(load_bench):
+    return load_bench("draft_vocab")
 
 
 def _spread(xs):
