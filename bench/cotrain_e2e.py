@@ -468,16 +468,21 @@ def _rng(d: dict) -> str:
     return f"{d['median']:.2f} [{d['min']:.2f}, {d['max']:.2f}]" if d else "-"
 
 
+def _head(caption: str, *columns: str) -> list[str]:
+    """A markdown table's caption (a blank line before and after), header row and separator."""
+    return ["", caption, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def markdown(result: dict) -> str:
     """docs/benchmarks.md's tables, rendered from one run's JSON (``--report JSON --markdown``)."""
     S, arms = result["summary"], result["arms"]
     w = result.get("warmup", 0)
-    out = [f"Table 1 analogue (per drafter family; speed-ups = plain time / arm time, sums over steps {w + 1}-"
-           f"{result['steps']} (steps 1-{w} left out: docs/benchmarks.md says why); per-step ratios as median [min, max]; "
-           "acceptance over the first / last steps):", "",
-           "| family | acceptance frozen (first -> last) | acceptance co-trained (first -> last) | rollout speed-up "
-           "co-trained | per step | end-to-end speed-up co-trained | per step | frozen rollout / end-to-end |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = _head(f"Table 1 analogue (per drafter family; speed-ups = plain time / arm time, sums over steps {w + 1}-"
+                f"{result['steps']} (steps 1-{w} left out: docs/benchmarks.md says why); per-step ratios as median "
+                "[min, max]; acceptance over the first / last steps):",
+                "family", "acceptance frozen (first -> last)", "acceptance co-trained (first -> last)",
+                "rollout speed-up co-trained", "per step", "end-to-end speed-up co-trained", "per step",
+                "frozen rollout / end-to-end")[1:]  # the page's first line: no blank line before it
     for kind in result["kinds"]:
         s = S[kind]
         out.append(f"| {kind} | {s['acceptance_first']['frozen']:.2f} -> {s['acceptance_last']['frozen']:.2f} | "
@@ -485,15 +490,14 @@ def markdown(result: dict) -> str:
                    f"{s['rollout_speedup']:.2f}x | {_rng(s['per_step_rollout_speedup'])} | {s['e2e_speedup']:.2f}x | "
                    f"{_rng(s['per_step_e2e_speedup'])} | {s['frozen_rollout_speedup']:.2f}x / {s['frozen_e2e_speedup']:.2f}x |")
     out.append(f"| paper (Tab. 1) | - | {PAPER['acceptance']} | {PAPER['rollout_speedup']} | | {PAPER['e2e_speedup']} | | |")
-    out += ["", "Table 2 analogue (co-trained arms):", "",
-            "| family | update-time overhead (drafter / rest of the update) | paper | tap wait / update time | paper |",
-            "|---|---|---|---|---|"]
+    out += _head("Table 2 analogue (co-trained arms):", "family", "update-time overhead (drafter / rest of the update)",
+                 "paper", "tap wait / update time", "paper")
     for kind in result["kinds"]:
         s = S[kind]
         out.append(f"| {kind} | {100 * s['update_overhead']:.1f}% | {PAPER['update_overhead'].get(kind, '-')} | "
                    f"{100 * s['tap_wait_fraction']:.2f}% | {PAPER['tap_wait_fraction']} |")
-    out += ["", "Acceptance kept (last / first; issue 12's goal: co-trained >= 95%, frozen falls by >= 15%):", "",
-            "| family | frozen | co-trained | co-trained on-policy |", "|---|---|---|---|"]
+    out += _head("Acceptance kept (last / first; issue 12's goal: co-trained >= 95%, frozen falls by >= 15%):",
+                 "family", "frozen", "co-trained", "co-trained on-policy")
     for kind in result["kinds"]:
         r = S[kind].get("acceptance_retained")
         if r:
@@ -502,11 +506,10 @@ def markdown(result: dict) -> str:
                        f"{'-' if op is None else f'{100 * op:.1f}%'} |")
     ops = [(kind, S[kind]["on_policy"]) for kind in result["kinds"] if "on_policy" in S[kind]]
     if ops:
-        out += ["", "Co-training objectives on the same steps (on-policy SpecOPD branches vs teacher-forced chains; "
-                "acceptance ratio = on-policy / teacher-forced vLLM acceptance per step):", "",
-                "| family | acceptance teacher-forced (first -> last) | acceptance on-policy (first -> last) | "
-                "acceptance ratio per step | drafter time on-policy / teacher-forced | update overhead on-policy |",
-                "|---|---|---|---|---|---|"]
+        out += _head("Co-training objectives on the same steps (on-policy SpecOPD branches vs teacher-forced chains; "
+                     "acceptance ratio = on-policy / teacher-forced vLLM acceptance per step):",
+                     "family", "acceptance teacher-forced (first -> last)", "acceptance on-policy (first -> last)",
+                     "acceptance ratio per step", "drafter time on-policy / teacher-forced", "update overhead on-policy")
         for kind, o in ops:
             s_ = S[kind]
             out.append(f"| {kind} | {s_['acceptance_first']['cotrained']:.2f} -> {s_['acceptance_last']['cotrained']:.2f} | "
@@ -514,30 +517,29 @@ def markdown(result: dict) -> str:
                        f"{o['draft_time_ratio']:.2f}x | {100 * o['update_overhead']:.1f}% |")
     same = S.get("same_trajectory", {})
     if same:
-        out += ["", "Same policy trajectory (`draft.compare_frozen`: each co-trained arm's drafter and a frozen copy of its "
-                "start, offline greedy acceptance on the arm's own rollout chains at every step; first / last steps as "
-                "above):", "",
-                "| arm | co-trained (first -> last) | kept | frozen copy (first -> last) | kept | co-trained - frozen at the end |",
-                "|---|---|---|---|---|---|"]
+        out += _head("Same policy trajectory (`draft.compare_frozen`: each co-trained arm's drafter and a frozen copy of "
+                     "its start, offline greedy acceptance on the arm's own rollout chains at every step; first / last "
+                     "steps as above):",
+                     "arm", "co-trained (first -> last)", "kept", "frozen copy (first -> last)", "kept",
+                     "co-trained - frozen at the end")
         for name, t in same.items():
             out.append(f"| {name} | {t['cotrained_first']:.2f} -> {t['cotrained_last']:.2f} | "
                        f"{100 * t['cotrained_retained']:.1f}% | {t['frozen_first']:.2f} -> {t['frozen_last']:.2f} | "
                        f"{100 * t['frozen_retained']:.1f}% | {t['gap_last']:+.2f} |")
-    out += ["", "Every arm (the same keys for drafters and model-free peers; acceptance = vLLM's tokens per "
-            f"verification round; short / long = responses under / at least {result.get('long_tokens', 48)} tokens, "
-            "pooled per request over the run):", "",
-            "| arm | rollout speed-up | per step | end-to-end speed-up | per step | acceptance first -> last | short | long "
-            "| update overhead |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    out += _head("Every arm (the same keys for drafters and model-free peers; acceptance = vLLM's tokens per "
+                 f"verification round; short / long = responses under / at least {result.get('long_tokens', 48)} tokens, "
+                 "pooled per request over the run):",
+                 "arm", "rollout speed-up", "per step", "end-to-end speed-up", "per step", "acceptance first -> last",
+                 "short", "long", "update overhead")
     for name, a in S.get("arms", {}).items():
         out.append(f"| {name} | {a['rollout_speedup']:.2f}x | {_rng(a['per_step_rollout_speedup'])} | {a['e2e_speedup']:.2f}x | "
                    f"{_rng(a.get('per_step_e2e_speedup', {}))} | {a['acceptance_first']:.2f} -> "
                    f"{a['acceptance_last']:.2f} | {a['acceptance_short']:.2f} | {a['acceptance_long']:.2f} | "
                    f"{100 * a['update_overhead']:.1f}% |")
-    out += ["", f"Median seconds per step and phase over steps {w + 1}-{result['steps']} (the update includes the drafter's "
-            "step; the push both pushes); reward: mean over all steps; KL to the initial policy at the last step:", "",
-            "| arm | step | rollout | update | of which drafter | weight push | rollout tokens/s | reward | kl/ref (last) |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    out += _head(f"Median seconds per step and phase over steps {w + 1}-{result['steps']} (the update includes the "
+                 "drafter's step; the push both pushes); reward: mean over all steps; KL to the initial policy at the last "
+                 "step:", "arm", "step", "rollout", "update", "of which drafter", "weight push", "rollout tokens/s",
+                 "reward", "kl/ref (last)")
     for name, ms in arms.items():
         timed = ms[w:] if len(ms) > w else ms
         med = {k: statistics.median(m.get(k, 0.0) for m in timed) for k in
@@ -547,10 +549,9 @@ def markdown(result: dict) -> str:
                    f"{statistics.mean(m['reward/mean'] for m in ms):.3f} | {ms[-1].get('kl/ref', float('nan')):.4f} |")
     h2h = S.get("head_to_head", {})
     if h2h:
-        out += ["", "Co-trained drafter vs model-free peer on the same steps (peer rollout time / co-trained rollout "
-                "time: > 1 = the drafter is faster):", "",
-                "| pair | early half | late half | range | acceptance early | acceptance late | short | long |",
-                "|---|---|---|---|---|---|---|---|"]
+        out += _head("Co-trained drafter vs model-free peer on the same steps (peer rollout time / co-trained rollout "
+                     "time: > 1 = the drafter is faster):", "pair", "early half", "late half", "range",
+                     "acceptance early", "acceptance late", "short", "long")
         for name, h in h2h.items():
             def two(d):
                 a, b = list(d.values())
