@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 
 from cotrain.draft.acceptance import accept_lengths
-from cotrain.draft.common import DraftBatch
+from cotrain.draft.common import DraftBatch, DraftOutput
 from cotrain.draft.cp import fetch_rows
 from cotrain.draft.dflash import BlockDrafter
 from cotrain.draft.losses import TargetDist, draft_loss, target_dist
@@ -288,17 +288,12 @@ class OnlineDraftTrainer:
             # so a rank with nothing to supervise still takes part (with zero gradients)
             (loss * weight).backward()
         with torch.no_grad():  # statistics stay on the device until end_step
-            valid = out.valid
-            n = valid.sum()
-            first = valid[:, 0]
-            drafted = out.logits.argmax(-1)
+            n = out.valid.sum()
             if vocab is not None:
-                drafted = vocab.to_target(drafted)
                 # the rollout tokens the drafts predict (every CP rank holds whole rows: each counts them all)
                 self._step_counts += token_counts(batch.input_ids, batch.loss_mask, vocab.vocab_size)
             best = p.source.argmax(-1)[p.rows_index]
-            greedy = (drafted == best) & valid
-            lens = accept_lengths(greedy, self.k) * first  # chains whose first draft is supervised
+            lens, first = self._chain_acceptance(out, vocab, best)
             if self.frozen is not None:
                 self._frozen_acceptance(batch, layout, best)
         self._accumulate(m, weight, n, lens, first)
@@ -318,6 +313,18 @@ class OnlineDraftTrainer:
         st["accept_sum"] += lens.sum()
         st["chains"] += first.sum()
 
+    def _chain_acceptance(self, out: DraftOutput, vocab: Optional[DraftVocab], best: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy acceptance of ``out``'s chains: 1 + leading drafts equal to ``best`` (the policy's
+        greedy token at each chain position) over the first ``k``, drafted ids mapped to target ids
+        under a reduced ``vocab``; counted for the chains whose first draft is supervised. Returns
+        (lengths, that mask)."""
+        drafted = out.logits.argmax(-1)
+        if vocab is not None:
+            drafted = vocab.to_target(drafted)
+        first = out.valid[:, 0]
+        return accept_lengths((drafted == best) & out.valid, self.k) * first, first
+
     @torch.no_grad()
     def _frozen_acceptance(self, batch: DraftBatch, layout, best: torch.Tensor) -> None:
         """``compare_frozen``: the frozen copy's greedy acceptance on the chains the drafter was just
@@ -325,12 +332,7 @@ class OnlineDraftTrainer:
         acceptance uses), added to the step's sums; its seconds are kept out of ``time_s``."""
         t0 = time.perf_counter()
         out = self.frozen(batch, layout, group=self.cp_group if self.cp_size > 1 else None)
-        drafted = out.logits.argmax(-1)
-        vocab = getattr(self.frozen, "vocab", None)
-        if vocab is not None:
-            drafted = vocab.to_target(drafted)
-        first = out.valid[:, 0]
-        lens = accept_lengths((drafted == best) & out.valid, self.k) * first
+        lens, first = self._chain_acceptance(out, getattr(self.frozen, "vocab", None), best)
         self._stats["accept_sum_frozen"] += lens.sum()
         self._stats["chains_frozen"] += first.sum()
         self._timers["frozen_s"] += time.perf_counter() - t0
@@ -402,15 +404,11 @@ class OnlineDraftTrainer:
                 best = fetch_rows(ids, out.target_rows, layout, group).view(out.target_rows.shape).long()
             else:
                 best = local_logits.argmax(-1)[out.target_rows.clamp(min=0)]
-            drafted = out.logits.argmax(-1)
-            if vocab is not None:
-                drafted = vocab.to_target(drafted)
-            greedy = (drafted == best) & out.valid
-            lens = accept_lengths(greedy, self.k) * out.valid[:, 0]
+            lens, first = self._chain_acceptance(out, vocab, best)
         self._timers["eval_s"] += time.perf_counter() - t1
         if self.frozen is not None:
             self._frozen_acceptance(batch, layout, best)
-        self._accumulate(m, weight, n, lens, out.valid[:, 0])
+        self._accumulate(m, weight, n, lens, first)
         return m
 
     def end_step(self) -> dict[str, float]:
