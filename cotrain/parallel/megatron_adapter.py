@@ -230,6 +230,13 @@ class StemKV:
         self._handles = []
 
 
+def _require_tree_layout(layout: BranchLayout) -> None:
+    """The tree forward's layout rule: context up to and including the anchor, causal inside."""
+    if layout.context != "inclusive" or layout.intra != "causal":
+        raise ValueError(f"tree scoring needs the layout context='inclusive', intra='causal'; got "
+                         f"context={layout.context!r}, intra={layout.intra!r}")
+
+
 @torch.no_grad()
 def tree_stage_forward(gpt, stem: StemKV, layout: BranchLayout, branch_ids: torch.Tensor,
                        branch_pos: torch.Tensor, group=None, *, microbatch: Optional[int] = None,
@@ -250,9 +257,7 @@ def tree_stage_forward(gpt, stem: StemKV, layout: BranchLayout, branch_ids: torc
     A rank that holds no branch (Nb = 0, CP > 1) still takes part in every layer's ring: Megatron's
     layers cannot run zero tokens, so one placeholder token runs through them, attends to nothing
     (zero rows go to the attention, zeros come back) and is dropped from the logits."""
-    if layout.context != "inclusive" or layout.intra != "causal":
-        raise ValueError(f"tree scoring needs the layout context='inclusive', intra='causal'; got "
-                         f"context={layout.context!r}, intra={layout.intra!r}")
+    _require_tree_layout(layout)
     if not gpt.pre_process and hidden is None:
         raise ValueError("tree scoring: a stage after the first needs the previous stage's hidden states")
     cores = _core_attentions(gpt)
@@ -383,9 +388,7 @@ class TreePipeline:
         ids, pos = branch_ids.to(torch.int64).cpu(), branch_pos.to(torch.int64).cpu()
         if self.pp == 1:
             return self._forward(microbatch, layout, ids, pos)
-        if layout.context != "inclusive" or layout.intra != "causal":  # before the earlier stages see it
-            raise ValueError(f"tree scoring needs the layout context='inclusive', intra='causal'; got "
-                             f"context={layout.context!r}, intra={layout.intra!r}")
+        _require_tree_layout(layout)  # before the earlier stages see it
         fixed = torch.tensor([self._FORWARD, microbatch, ids.numel(), layout.num_branches, layout.cu_seqlens.numel(),
                               layout.cp_size, -1 if layout.window is None else layout.window], dtype=torch.int64)
         payload = torch.cat([ids, pos, layout.cu_seqlens, layout.anchors, layout.branch_lens])
