@@ -234,6 +234,10 @@ def summarize(arms: dict[str, list[dict]], kinds: list[str], tail: int, peers: l
                      "cotrained_retained": mean(co[-tail:]) / mean(co[:tail]),
                      "frozen_retained": mean(fr[-tail:]) / mean(fr[:tail]),
                      "gap_last": mean(gap[-tail:]),
+                     # the run in thirds (early / middle / late): mean co-trained - frozen gap, steps ahead
+                     "gap_mean_by_third": [mean(g) for g in (gap[: len(gap) // 3], gap[len(gap) // 3: 2 * len(gap) // 3],
+                                                             gap[2 * len(gap) // 3:])],
+                     "gap_max": max(gap), "steps_ahead": sum(g > 0 for g in gap),
                      "frozen_eval_s_median": statistics.median(m.get("draft/frozen_s", 0.0) for m in ms),
                      "note": "offline greedy acceptance (1 + leading drafts equal to the policy's greedy token, k "
                              "drafts) on the arm's own rollout chains: co-trained drafter vs the frozen copy of its start"}
@@ -521,11 +525,14 @@ def markdown(result: dict) -> str:
                      "its start, offline greedy acceptance on the arm's own rollout chains at every step; first / last "
                      "steps as above):",
                      "arm", "co-trained (first -> last)", "kept", "frozen copy (first -> last)", "kept",
-                     "co-trained - frozen at the end")
+                     "co-trained - frozen at the end", "mean gap, thirds of the run", "largest gap",
+                     "steps co-trained ahead")
         for name, t in same.items():
+            thirds = " / ".join(f"{g:+.2f}" for g in t["gap_mean_by_third"])
             out.append(f"| {name} | {t['cotrained_first']:.2f} -> {t['cotrained_last']:.2f} | "
                        f"{100 * t['cotrained_retained']:.1f}% | {t['frozen_first']:.2f} -> {t['frozen_last']:.2f} | "
-                       f"{100 * t['frozen_retained']:.1f}% | {t['gap_last']:+.2f} |")
+                       f"{100 * t['frozen_retained']:.1f}% | {t['gap_last']:+.2f} | {thirds} | {t['gap_max']:+.2f} | "
+                       f"{t['steps_ahead']} of {len(arms[name])} |")
     out += _head("Every arm (the same keys for drafters and model-free peers; acceptance = vLLM's tokens per "
                  f"verification round; short / long = responses under / at least {result.get('long_tokens', 48)} tokens, "
                  "pooled per request over the run):",

@@ -81,6 +81,9 @@ def test_on_policy_arm_is_summarised_against_the_teacher_forced_arm_on_the_same_
         assert t["frozen_retained"] == pytest.approx(statistics.mean(fr[-tail:]) / statistics.mean(fr[:tail]))
         assert t["cotrained_retained"] == pytest.approx(statistics.mean(co[-tail:]) / statistics.mean(co[:tail]))
         assert t["gap_last"] == pytest.approx(statistics.mean(co[-tail:]) - statistics.mean(fr[-tail:]))
+        gap = [a - b for a, b in zip(co, fr)]  # 9 steps: thirds of 3
+        assert t["gap_mean_by_third"] == pytest.approx([statistics.mean(gap[i:i + 3]) for i in (0, 3, 6)])
+        assert t["gap_max"] == pytest.approx(max(gap)) and t["steps_ahead"] == sum(g > 0 for g in gap)
 
 
 def test_markdown_and_plot_render_the_on_policy_arm(bench, tmp_path):
