@@ -245,6 +245,10 @@ class _FusedTileKernel:
     def _fused_backward(self, dout, q, k, v, out, lse, mask: BlockMask, tiles: list[Tile], scale: float, dq, dk, dv) -> None:
         raise NotImplementedError
 
+    def _fused_backward_fits(self, head_dim: int) -> bool:
+        """Whether the fused backward takes this head dim (LSE-gradient column included)."""
+        return True
+
     def _split(self, mask: BlockMask) -> tuple[list[Tile], BlockMask]:
         fused = [t for t in mask.tiles if t.kind in self.FUSED_KINDS]
         rest = [t for t in mask.tiles if t.kind not in self.FUSED_KINDS]
@@ -261,6 +265,9 @@ class _FusedTileKernel:
 
     def backward(self, dout, q, k, v, out, lse, mask: BlockMask, scale: float, dlse=None, grads=None):
         if not self._usable(q):
+            return self._torch.backward(dout, q, k, v, out, lse, mask, scale, dlse, grads)
+        head_dim = q.shape[-1] + (dlse is not None)  # _fold_dlse adds one column
+        if not self._fused_backward_fits(head_dim):
             return self._torch.backward(dout, q, k, v, out, lse, mask, scale, dlse, grads)
         fused, rest = self._split(mask)
         dq, dk, dv = self._torch.backward(dout, q, k, v, out, lse, rest, scale, dlse, grads)
@@ -374,17 +381,28 @@ class FlashVarlenBlockKernel(_FusedTileKernel):
     flash call per tile kind covers a whole block, and exact per-branch tiles cost nothing extra
     (tile_cost_pairs = 0). repeat_causal tiles go to the torch kernel.
 
-    Calls, all by keyword (flash-attn 2.6 - 2.8; signatures read from Dao-AILab/flash-attention
-    2.8.3's ``flash_attn_interface.py``): the forward is the public ``flash_attn_varlen_func`` with
-    ``return_attn_probs=True`` (it returns ``(out, softmax_lse, S_dmask)``; S_dmask is empty without
-    dropout); the backward is ``_flash_attn_varlen_backward``, the function flash-attn's own autograd
-    calls: the public API has no backward that takes the rows' *merged* (out, lse), which the ring
-    needs (ring-flash-attention calls the same function). Its keywords are checked against the
-    installed version when the kernel is built (flash-attn < 2.6 took ``window_size`` as a tuple):
-    a mismatch raises ImportError naming the missing parameters, and ``default_kernel`` falls back
-    to the torch kernel with a warning. The calls (keywords, shapes, the LSE's (nheads, total_q)
-    layout) are checked on CPU against stand-ins with those signatures (tests/parallel/test_flash_api.py);
-    the kernel itself has not run on a GPU here.
+    Supported: flash-attn 2.7 and 2.8 (``flash_attn.__version__``; anything else is refused when the
+    kernel is built, with an ImportError naming the installed version, and ``default_kernel`` falls
+    back to the torch kernel with a warning). Read from Dao-AILab/flash-attention's
+    ``flash_attn/flash_attn_interface.py`` at v2.6.3, v2.7.0, v2.7.4, v2.8.0 and v2.8.3: the public
+    ``flash_attn_varlen_func`` is the same in all of them, but ``_flash_attn_varlen_backward`` took
+    ``window_size`` as one tuple up to 2.6.3 and ``window_size_left`` / ``window_size_right`` from
+    2.7.0 on (2.7.4 added ``zero_tensors``, with a default). The parameter names are also checked.
+
+    Calls, all by keyword: the forward is the public ``flash_attn_varlen_func`` with
+    ``return_attn_probs=True`` (it returns ``(out, softmax_lse, S_dmask)``, the LSE as (nheads,
+    total_q); S_dmask is empty without dropout; it pads the head dim to a multiple of 8 itself); the
+    backward is ``_flash_attn_varlen_backward``, the function flash-attn's own autograd calls: the
+    public API has no backward that takes the rows' *merged* (out, lse), which the ring needs
+    (ring-flash-attention calls the same function). That private function does not pad: its CUDA
+    op (``mha_varlen_bwd`` in csrc/flash_attn/flash_api.cpp) requires head_size % 8 == 0 and
+    head_size <= 256, so the backward pads dout, q, k, v and out with zero columns to the next
+    multiple of 8, as ``FlashAttnVarlenFunc.backward`` does, and slices the gradients back (zero
+    columns change neither the scores, nor dout v^T, nor rowsum(dout * out)). With an LSE gradient
+    folded in (_fold_dlse: head dim D + 1) the padded dim must still be <= 256, i.e. D <= 248; above
+    that the backward of the whole block runs on the torch kernel. The calls (keywords, shapes,
+    padding, the LSE layout) are checked on CPU against stand-ins with 2.8.3's signatures
+    (tests/parallel/test_flash_api.py); the kernel itself runs only in the CUDA tests.
     """
 
     tile_cost_pairs = 0
@@ -392,19 +410,30 @@ class FlashVarlenBlockKernel(_FusedTileKernel):
                           "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale", "causal",
                           "window_size_left", "window_size_right", "softcap", "alibi_slopes", "deterministic")
 
+    SUPPORTED_VERSIONS = ((2, 7), (2, 8))  # (major, minor) of flash_attn.__version__
+    MAX_HEAD_DIM = 256  # flash-attn 2's limit, forward and backward
+
     def __init__(self) -> None:
+        import flash_attn
         from flash_attn import flash_attn_varlen_func
         from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
 
+        version = getattr(flash_attn, "__version__", "unknown")
+        if _major_minor(version) not in self.SUPPORTED_VERSIONS:
+            raise ImportError(f"flash-attn {version} is installed; FlashVarlenBlockKernel supports flash-attn 2.7 - 2.8 "
+                              "(the parameters of its private _flash_attn_varlen_backward differ in other versions)")
         missing = [name for name in self._BACKWARD_KEYWORDS if name not in _parameters(_flash_attn_varlen_backward)]
         if missing:
-            raise ImportError(f"flash_attn._flash_attn_varlen_backward has no parameter(s) {', '.join(missing)}: "
-                              "FlashVarlenBlockKernel needs flash-attn 2.6 - 2.8")
+            raise ImportError(f"flash_attn._flash_attn_varlen_backward (flash-attn {version}) has no parameter(s) "
+                              f"{', '.join(missing)}: FlashVarlenBlockKernel supports flash-attn 2.7 - 2.8")
         self._fwd, self._bwd = flash_attn_varlen_func, _flash_attn_varlen_backward
         super().__init__()
 
+    def _fused_backward_fits(self, head_dim: int) -> bool:
+        return _round8(head_dim) <= self.MAX_HEAD_DIM
+
     def _usable(self, q):
-        return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+        return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= self.MAX_HEAD_DIM
 
     @staticmethod
     def _groups(mask: BlockMask, tiles: list[Tile]):
@@ -437,21 +466,36 @@ class FlashVarlenBlockKernel(_FusedTileKernel):
                 merge_lse_(out[t.q0 : t.q1], lse[t.q0 : t.q1], o[a:b].float(), l[a:b])
 
     def _fused_backward(self, dout, q, k, v, out, lse, mask, tiles, scale, dq, dk, dv):
+        pad = _round8(q.shape[-1]) - q.shape[-1]  # the CUDA op takes head_size % 8 == 0 only (class doc)
+        widen = (lambda x: torch.nn.functional.pad(x, (0, pad))) if pad else (lambda x: x)  # noqa: E731
+        d = dq.shape[-1]  # < the inputs' head dim when an LSE gradient was folded in, < the padded one always
         for group, causal, window in self._groups(mask, tiles):
             qi, ki, cq, ck, _, mq, mk = self._gather(group, q.device)
-            qg, kg, vg = q[qi], k[ki], v[ki]
+            qg, kg, vg = widen(q[qi]), widen(k[ki]), widen(v[ki])
             dqg, dkg, dvg = torch.empty_like(qg), torch.empty_like(kg), torch.empty_like(vg)
             self._bwd(
-                dout=dout[qi].to(q.dtype), q=qg, k=kg, v=vg, out=out[qi].to(q.dtype),
+                dout=widen(dout[qi].to(q.dtype)), q=qg, k=kg, v=vg, out=widen(out[qi].to(q.dtype)),
                 softmax_lse=lse[qi].transpose(0, 1).contiguous(), dq=dqg, dk=dkg, dv=dvg,
                 cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq, max_seqlen_k=mk, dropout_p=0.0,
                 softmax_scale=scale, causal=causal, window_size_left=window[0], window_size_right=window[1],
                 softcap=0.0, alibi_slopes=None, deterministic=False,
             )
-            d = dq.shape[-1]  # < the inputs' head dim when an LSE gradient was folded in
             dq.index_add_(0, qi, dqg[..., :d].float())
             dk.index_add_(0, ki, dkg[..., :d].float())
             dv.index_add_(0, ki, dvg[..., :d].float())
+
+
+def _round8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+def _major_minor(version: str) -> tuple[int, int] | None:
+    """(2, 8) for "2.8.3" / "2.8.3.post1"; None when the string does not start with two integers."""
+    parts = str(version).split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
 
 
 def _parameters(fn) -> set[str]:
@@ -468,7 +512,7 @@ def default_kernel(device: torch.device | str | None = None) -> BlockKernel:
         try:
             return FlashVarlenBlockKernel()
         except ImportError as e:
-            if "flash-attn 2.6" in str(e):  # installed, but not a version whose signature we know
+            if "supports flash-attn" in str(e):  # installed, but not a version whose signature we know
                 warnings.warn(f"{e}; branch attention uses the torch kernel", stacklevel=2)
             return TorchBlockKernel()
     if device.type == "cpu" and CpuFusedBlockKernel._fwd is not None:
