@@ -10,7 +10,7 @@ setup:
 
 demo: setup
 	$(PY) -m cotrain.models.build_tiny
-	$(PY) launch/grpo.py --config configs/demo.yaml $(ARGS)
+	$(PY) launch/grpo.py --config configs/demo.yaml --overwrite $(ARGS)
 
 test: setup
 	$(PY) -m pytest $(ARGS)

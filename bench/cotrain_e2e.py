@@ -354,7 +354,8 @@ def run(args) -> dict:
     base = Path(args.config).stem
     kinds = [k for k in args.kinds.split(",") if k]
     common = [f"grpo.num_steps={args.steps}", "data.eval.every=0", "logging.progress_bar=false",
-              "logging.tensorboard=false", "checkpoint.every=100000", "cluster.cpus_per_node=64", *args.overrides]
+              "logging.tensorboard=false", "checkpoint.every=100000", "cluster.cpus_per_node=64",
+              "run.overwrite=true", *args.overrides]  # each run of the benchmark measures afresh
     branches = resolve_branches(args.branches)
     specs = {"plain": (None, "plain", 0, None)}
     if args.plain_seeds == 2:

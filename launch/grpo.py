@@ -11,6 +11,8 @@ everything (schema and cross-field checks) before anything starts.
   --print-config    also print the full resolved config as YAML.
   --resume [PATH]   continue from the newest checkpoint in checkpoint.dir (or from PATH); the same
                     as the override checkpoint.resume=true (or =PATH).
+  --overwrite       a fresh run into a folder that holds another run deletes that run's files
+                    first (run.overwrite=true); without it (or --resume) such a run is refused.
 
 Otherwise it runs the GRPO loop: `cotrain.rl.driver.main(cfg, resume=...)`. Works from the repo root
 and under `ray job submit --working-dir . -- python launch/grpo.py ...`.
@@ -26,7 +28,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-EXIT_OK, EXIT_CONFIG = 0, 2
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--print-config", action="store_true", help="print the resolved config as YAML")
     ap.add_argument("--resume", nargs="?", const=True, default=None, metavar="PATH",
                     help="resume from the newest checkpoint (or from PATH)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="delete the files of the run already in run.output_dir before a fresh start")
     return ap.parse_intermixed_args(argv)
 
 
@@ -53,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.overrides)
     if args.resume is not None:
         overrides.append(f"checkpoint.resume={'true' if args.resume is True else args.resume}")
+    if args.overwrite:
+        overrides.append("run.overwrite=true")
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
@@ -66,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from cotrain.rl import driver
     from cotrain.rl.checkpoint import CheckpointError
+    from cotrain.runfolder import RunFolderError
 
     try:
         driver.main(cfg, resume=cfg.checkpoint.resume)
@@ -78,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"checkpoint error ({args.config}):\n{e}", file=sys.stderr)  # names the damaged file
         return EXIT_CONFIG
+    except RunFolderError as e:  # the folder changed since validation, or a checkpoint of another run
+        print(f"run folder error ({args.config}):\n{e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except driver.NonFiniteError as e:
+        print(f"training stopped ({args.config}):\n{e}", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_OK
 
 

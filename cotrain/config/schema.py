@@ -86,6 +86,7 @@ class StrictModel(BaseModel):
         strict=True,
         validate_default=True,
         use_attribute_docstrings=True,
+        allow_inf_nan=False,  # lr=.inf or reward.correct=.nan would validate and train on NaN
     )
 
 
@@ -101,6 +102,11 @@ class RunConfig(StrictModel):
     config). null = `runs/<name>` (relative to the working directory)."""
     seed: int = 0
     """Global seed: data order, sampling seeds, initialisation of new weights."""
+    overwrite: bool = False
+    """A fresh run (no `checkpoint.resume`) into a folder that already holds a run (its metrics,
+    checkpoints, TensorBoard events, `run.json`): true = delete that run's files first; false =
+    refused at validation, naming the folder (resume it, overwrite it, or choose another
+    `run.output_dir`). `launch/grpo.py --overwrite` sets true."""
 
     @field_validator("name")
     @classmethod
@@ -214,6 +220,13 @@ class PolicyConfig(StrictModel):
     attention (TEDotProductAttention, at any CP degree; GPU with transformer-engine installed,
     and policy.dtype=bfloat16 when context > 1). The co-trained drafter's branch attention is
     cotrain's either way."""
+    layer_spec: Literal["auto", "local", "transformer_engine"] = "auto"
+    """Megatron's layer implementation of the policy: 'local' = torch modules (CPU and GPU);
+    'transformer_engine' = Megatron's fused transformer-engine layer spec (the input norms folded
+    into the QKV / FC1 linears; cluster.device=cuda with transformer-engine installed); 'auto' =
+    transformer_engine when transformer-engine imports and cluster.device is cuda, else local.
+    Under policy.parallel.context > 1 with context_parallel_impl 'cotrain', cotrain's ring
+    attention is the attention core of either spec."""
     micro_batch_size: PosInt = 4
     """Sequences per micro batch on one data-parallel rank."""
     max_seq_len: Annotated[int, Field(ge=2)] = 256

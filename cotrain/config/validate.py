@@ -217,6 +217,13 @@ def check_lengths(cfg: CotrainConfig) -> list[Issue]:
             issues.append((where, f"megatron_te at policy.parallel.context={cp} needs policy.dtype=bfloat16: "
                            "transformer-engine's context parallelism runs only in its flash / fused attention "
                            f"(fp16/bf16), policy.dtype={cfg.policy.dtype} (allowed with float32: cotrain)"))
+    if cfg.policy.layer_spec == "transformer_engine":
+        if cfg.cluster.device != "cuda":
+            issues.append(("policy.layer_spec", "transformer_engine is Megatron's fused transformer-engine layer "
+                           f"spec, which needs CUDA; cluster.device={cfg.cluster.device} (allowed on cpu: local, auto)"))
+        elif importlib.util.find_spec("transformer_engine") is None:
+            issues.append(("policy.layer_spec", "transformer_engine needs transformer-engine, which is not installed "
+                           "here (pip install 'transformer-engine[pytorch]'; allowed without it: local, auto)"))
     mt = cfg.rollout.sampling.max_tokens
     if mt >= S:
         issues.append(("rollout.sampling.max_tokens", f"{mt} leaves no room for the prompt in "
@@ -742,12 +749,25 @@ def check_checkpoint(cfg: CotrainConfig) -> list[Issue]:
         issues.append(("checkpoint.resume", f"{res!r} does not exist (allowed: true, false, or an existing "
                        "checkpoint directory)"))
     elif isinstance(res, str):
-        from cotrain.rl.checkpoint import verify_checkpoint
+        from cotrain.rl.checkpoint import unsafe_files, verify_checkpoint
 
-        problems = verify_checkpoint(Path(res), hashes=False)
+        problems = verify_checkpoint(Path(res), hashes=False) or unsafe_files(Path(res))
         if problems:
             issues.append(("checkpoint.resume", f"{res!r} is not a usable checkpoint: {'; '.join(problems)} "
                            "(allowed: true = the newest usable one, or a complete, undamaged step directory)"))
+    elif res is True and cfg.checkpoint.dir is not None:
+        from cotrain.rl.checkpoint import CheckpointManager, unsafe_files
+
+        newest = CheckpointManager(cfg.checkpoint.dir).latest()
+        problems = unsafe_files(newest) if newest is not None else []
+        if problems:
+            issues.append(("checkpoint.resume", f"true resumes from {newest}, which is refused: {'; '.join(problems)} "
+                           "(allowed: a checkpoint holding only tensors and plain containers)"))
+    from cotrain.runfolder import conflict
+
+    why = conflict(cfg)
+    if why is not None:
+        issues.append(("run.output_dir", why))
     return issues
 
 

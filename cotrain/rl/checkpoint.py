@@ -128,6 +128,40 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
     atomic_write_bytes(Path(path), buf.getvalue())
 
 
+def load_plain(path: Path, **kwargs: Any) -> Any:
+    """``torch.load(path, weights_only=True)``: tensors, numbers, strings and plain containers only.
+
+    A checkpoint is data, never code: a file whose pickle names any other object (which a
+    ``weights_only=False`` load would construct, running whatever its ``__reduce__`` says) is
+    refused with :class:`CheckpointError` naming the file, as is a damaged one. The manifest's
+    sha256 proves a file unchanged since it was written, not who wrote it."""
+    import pickle
+
+    path = Path(path)
+    try:
+        return torch.load(path, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise CheckpointError(f"{path}: refused: it holds a pickled Python object, not only tensors and plain "
+                              f"containers, and loading it could run code ({first})") from None
+    except Exception as e:  # noqa: BLE001 - torch raises RuntimeError/EOFError/... for a damaged file
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise CheckpointError(f"{path}: cannot be loaded, the file is damaged or truncated "
+                              f"({type(e).__name__}: {first})") from None
+
+
+def unsafe_files(d: Path) -> list[str]:
+    """Problems of step directory ``d``'s ``.pt`` files under :func:`load_plain` (memory-mapped:
+    the tensors are not read), each naming the file."""
+    problems = []
+    for p in sorted(Path(d).glob("*.pt")):
+        try:
+            load_plain(p, mmap=True, map_location="cpu")
+        except CheckpointError as e:
+            problems.append(str(e))
+    return problems
+
+
 class CheckpointManager:
     def __init__(self, directory: str | Path, keep_last: int | None = None):
         self.dir = Path(directory)
@@ -143,15 +177,17 @@ class CheckpointManager:
         d.mkdir(parents=True)
         return d
 
-    def commit(self, step: int, driver_state: dict) -> Path:
-        """After every rank has written its files: the driver's state, the manifest, ``COMPLETE``,
-        ``latest``; then prune."""
+    def commit(self, step: int, driver_state: dict, config_yaml: str | None = None) -> Path:
+        """After every rank has written its files: the driver's state (and the run's resolved config
+        as ``config.yaml``), the manifest, ``COMPLETE``, ``latest``; then prune."""
         d = self.step_dir(step)
         atomic_torch_save(driver_state, d / "driver.pt")
+        if config_yaml is not None:
+            atomic_write_bytes(d / "config.yaml", config_yaml.encode())
         write_manifest(d)
         atomic_write_bytes(d / COMPLETE, b"")
         atomic_write_bytes(self.dir / "latest", d.name.encode())
-        self._prune()
+        self._prune(step)
         return d
 
     def latest(self) -> Path | None:
@@ -237,18 +273,17 @@ class CheckpointManager:
 
     @staticmethod
     def load_driver_state(d: Path) -> dict:
-        """driver.pt of step directory ``d``; :class:`CheckpointError` naming the file if unreadable."""
-        path = Path(d) / "driver.pt"
-        try:
-            return torch.load(path, weights_only=False)
-        except Exception as e:  # noqa: BLE001 - torch raises RuntimeError/EOFError/... for a damaged file
-            first = str(e).splitlines()[0] if str(e) else ""
-            raise CheckpointError(f"{path}: cannot be loaded, the file is damaged or truncated "
-                                  f"({type(e).__name__}: {first})") from None
+        """driver.pt of step directory ``d``; :class:`CheckpointError` naming the file if unreadable
+        or if it holds anything but tensors and plain containers (:func:`load_plain`)."""
+        return load_plain(Path(d) / "driver.pt")
 
-    def _prune(self) -> None:
+    def _prune(self, step: int) -> None:
+        """Keep the ``keep_last`` newest complete checkpoints up to ``step`` (the one just written
+        among them). Newer ones - left by a run that was resumed from an older checkpoint - are not
+        this continuation's and are left alone rather than counted (counting them would delete the
+        checkpoint just written)."""
         if not self.keep_last:
             return
-        complete = sorted(p.parent for p in self.dir.glob(f"step_*/{COMPLETE}"))
+        complete = sorted(p.parent for p in self.dir.glob(f"step_*/{COMPLETE}") if p.parent.name <= f"step_{step:06d}")
         for old in complete[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)

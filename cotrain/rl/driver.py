@@ -18,6 +18,7 @@ The workers are reached only through their interfaces (:mod:`cotrain.rl.interfac
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from contextlib import contextmanager
@@ -26,12 +27,14 @@ from pathlib import Path
 
 import torch
 
+from cotrain import runfolder
 from cotrain.rl.batch import TrainBatch, build_batch
-from cotrain.rl.checkpoint import CheckpointManager
+from cotrain.rl.checkpoint import CheckpointError, CheckpointManager, unsafe_files
 from cotrain.rl.grpo import group_advantages, k3_kl
 from cotrain.rl.interfaces import SamplingSpec, WorkerFactory
 from cotrain.rl.metrics import MetricsLogger
 from cotrain.tasks.data import Problem, PromptStream
+from cotrain.runfolder import RunFolderError
 from cotrain.tasks.rewards import exact_match_reward
 
 
@@ -121,6 +124,20 @@ def timed(metrics: dict, key: str):
     metrics[key] = time.perf_counter() - t
 
 
+class NonFiniteError(RuntimeError):
+    """The update produced a non-finite loss or gradient norm (named with the step): the run stops
+    before the step is logged, pushed or checkpointed."""
+
+
+def check_finite(step: int, train_metrics: dict[str, float]) -> None:
+    bad = {k: train_metrics[k] for k in ("loss", "grad_norm") if not math.isfinite(train_metrics[k])}
+    if bad:
+        shown = ", ".join(f"train/{k}={v}" for k, v in bad.items())
+        raise NonFiniteError(f"step {step}: {shown}; the policy's weights are no longer finite, so the run stops "
+                             "here and nothing of this step is saved (the last checkpoint is intact). Usual causes: "
+                             "too high a policy.optimizer.lr, no policy.optimizer.clip_grad, bfloat16 overflow")
+
+
 @dataclass
 class DriverState:
     """What the driver itself needs to resume exactly (the workers checkpoint their own state)."""
@@ -159,6 +176,16 @@ class GrpoRun:
         self.state = DriverState()
         # everything that can fail without workers fails before they start
         resume_dir = self.ckpt.resolve(resume) if resume else None  # verified; a damaged one is skipped
+        if resume_dir is not None and (unsafe := unsafe_files(resume_dir)):
+            raise CheckpointError(f"checkpoint.resume: {resume_dir} is refused: {'; '.join(unsafe)}")
+        saved = self.ckpt.load_driver_state(resume_dir) if resume_dir is not None else None
+        if saved is not None:
+            runfolder.check_resume(cfg, saved.get("run_id"), resume_dir)
+            if saved["step"] > cfg.grpo.num_steps:
+                raise RunFolderError(f"grpo.num_steps={cfg.grpo.num_steps} is below the step of checkpoint "
+                                     f"{resume_dir} ({saved['step']}): nothing to continue (allowed: >= "
+                                     f"{saved['step']}, or a fresh run)")
+        self.run_id = runfolder.claim(cfg, saved.get("run_id") if saved else None, resume=resume or False)
         draft_init = resolve_draft_init(cfg) if self.cotrain else None
         self.workers.start()
         self.trainer = self.workers.trainer(self.model_path, draft_init)
@@ -169,7 +196,6 @@ class GrpoRun:
         self.trainer.connect(self.rollout)
         if resume_dir is not None:
             self.trainer.load_checkpoint(str(resume_dir))
-            saved = self.ckpt.load_driver_state(resume_dir)
             self.state = DriverState(step=saved["step"], data=saved["data"])
             self.stream.load_state(self.state.data)
             self.push("policy", version=self.state.step)  # engines serve exactly the checkpointed policy
@@ -214,6 +240,7 @@ class GrpoRun:
             batch.old_logprobs, batch.ref_logprobs = lp.logprobs, lp.ref_logprobs
             m.update(train_inference_kl(batch))
             train_metrics = self.trainer.train_step(batch)
+        check_finite(step, train_metrics)  # before the policy is pushed, logged or saved
         with timed(m, "time/weight_push"):
             self.push("policy", version=step)
             if self.serves_cotrained_drafter and step % cfg.draft.push_every == 0:
@@ -319,7 +346,8 @@ class GrpoRun:
     def save_checkpoint(self, step: int) -> None:
         self.ckpt.begin(step)
         self.trainer.save_checkpoint(str(self.ckpt.step_dir(step)))
-        self.ckpt.commit(step, {"step": step, "data": self.stream.state()})
+        self.ckpt.commit(step, {"step": step, "data": self.stream.state(), "run_id": self.run_id},
+                         config_yaml=self.cfg.to_yaml())
 
     def shutdown(self) -> None:
         if self.logger is not None:

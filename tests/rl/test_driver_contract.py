@@ -243,7 +243,8 @@ def test_resume_continues_the_same_prompt_stream(tmp_path):
     resumed = FakeWorkers()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no damaged-checkpoint fallback
-        _run(_cfg(tmp_path / "b", f"checkpoint.dir={tmp_path / 'a' / 'checkpoints'}"), resumed, resume=str(step2))
+        _run(_cfg(tmp_path / "b", f"checkpoint.dir={tmp_path / 'a' / 'checkpoints'}", f"checkpoint.resume={step2}"),
+             resumed, resume=str(step2))
     # the trainer's state comes back, then the engines get exactly the checkpointed policy and drafter
     assert resumed.log[:3 + 1 + 6] == [("export_draft_dir",), ("rollout", True), ("connect",), ("load", "step_000002"),
                                        *_push("policy", 1, 2), *_push("draft", 2, 2)]

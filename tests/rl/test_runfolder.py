@@ -1,0 +1,188 @@
+"""Nothing lost, nothing run from a file: one run per run folder (cotrain.runfolder), checkpoints that
+hold only data (cotrain.rl.checkpoint.load_plain), a resume that refuses another run's checkpoint or
+a step count below it, and non-finite values refused in the config and caught in the loop.
+
+The driver runs on the in-process fakes of tests/rl/test_driver_contract.py (no Ray, Megatron or
+vLLM): each test takes a few seconds."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from test_driver_contract import STEPS, FakeTrainer, FakeWorkers, _cfg, _metrics, _run
+
+from cotrain.config import ConfigError
+from cotrain.rl.checkpoint import CheckpointError, CheckpointManager, atomic_torch_save
+from cotrain.rl.driver import NonFiniteError
+from cotrain.runfolder import RunFolderError, read_run_id
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _finished_run(out: Path) -> FakeWorkers:
+    workers = FakeWorkers()
+    _run(_cfg(out), workers)
+    return workers
+
+
+def test_a_fresh_run_into_a_used_folder_is_refused_at_validation(tmp_path):
+    out = tmp_path / "run"
+    _finished_run(out)
+    with pytest.raises(ConfigError) as e:
+        _cfg(out)
+    msg = str(e.value)
+    assert "run.output_dir" in msg and str(out) in msg and "metrics.jsonl" in msg
+    assert "--resume" in msg and "--overwrite" in msg and "another run.output_dir" in msg
+    # also when resuming finds no checkpoint to continue (it would start over and truncate the metrics)
+    for p in (out / "checkpoints").glob("step_*"):
+        (p / "COMPLETE").unlink()
+    with pytest.raises(ConfigError, match="finds no checkpoint to continue"):
+        _cfg(out, "checkpoint.resume=true")
+
+
+def test_the_driver_refuses_the_folder_before_any_worker_starts(tmp_path):
+    out = tmp_path / "run"
+    cfg = _cfg(out)  # validated while the folder was empty
+    _finished_run(out)  # ... then another run wrote it
+    workers = FakeWorkers()
+    with pytest.raises(RunFolderError, match="already holds a run"):
+        _run(cfg, workers)
+    assert workers.log == []  # nothing started
+    assert len(_metrics(out)) == STEPS  # and nothing of the first run was touched
+
+
+def test_overwrite_replaces_the_old_run_and_keeps_the_users_files(tmp_path):
+    out = tmp_path / "run"
+    _finished_run(out)
+    first_id = read_run_id(out)
+    (out / "notes.txt").write_text("mine")
+    cfg = _cfg(out, "run.overwrite=true", "grpo.num_steps=2")
+    _run(cfg, FakeWorkers())
+    assert sorted(_metrics(out)) == [1, 2]  # only the new run's steps
+    assert [p.name for p in sorted((out / "checkpoints").glob("step_*"))] == ["step_000002"]
+    assert read_run_id(out) not in (None, first_id)
+    assert (out / "notes.txt").read_text() == "mine"
+    d = out / "checkpoints" / "step_000002"
+    assert torch.load(d / "driver.pt", weights_only=True)["run_id"] == read_run_id(out)
+    assert yaml.safe_load((d / "config.yaml").read_text()) == cfg.to_dict()  # the resolved config beside it
+
+
+def test_launcher_overwrite_flag(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("launch_grpo", ROOT / "launch" / "grpo.py")
+    launcher = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launcher)
+    out = tmp_path / "run"
+    _finished_run(out)
+    args = ["--config", str(ROOT / "configs/grpo.yaml"), f"run.output_dir={out}", "--validate-only"]
+    assert launcher.main(args) == 2
+    assert launcher.main(args + ["--overwrite"]) == 0
+    assert launcher.main(args + ["--resume"]) == 0
+
+
+def test_resume_continues_the_folders_run_and_refuses_another_runs_checkpoint(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    _finished_run(a)
+    _finished_run(b)
+    resumed = FakeWorkers()
+    _run(_cfg(a, "checkpoint.resume=true", f"grpo.num_steps={STEPS + 2}"), resumed, resume=True)
+    assert sorted(_metrics(a)) == list(range(1, STEPS + 3))
+    other = b / "checkpoints" / f"step_{STEPS:06d}"
+    with pytest.raises(RunFolderError, match="belongs to run"):
+        _run(_cfg(a, f"checkpoint.resume={other}"), FakeWorkers(), resume=str(other))
+
+
+def test_num_steps_below_the_checkpoint_is_refused(tmp_path):
+    out = tmp_path / "run"
+    _finished_run(out)
+    workers = FakeWorkers()
+    with pytest.raises(RunFolderError, match=f"grpo.num_steps=2 is below the step of checkpoint .* \\({STEPS}\\)"):
+        _run(_cfg(out, "checkpoint.resume=true", "grpo.num_steps=2"), workers, resume=True)
+    assert workers.log == []
+
+
+def test_prune_after_resuming_from_an_older_checkpoint_keeps_the_new_one(tmp_path):
+    first = CheckpointManager(tmp_path, keep_last=None)
+    for step in (2, 4, 6):
+        first.begin(step)
+        first.commit(step, {"step": step, "data": {}})
+    # resumed from step 2 with keep_last=2: the continuation writes step 3; the abandoned 4 and 6
+    # are not counted (sorted with them, step 3 was the oldest but one and deleted right away)
+    m = CheckpointManager(tmp_path, keep_last=2)
+    m.begin(3)
+    m.commit(3, {"step": 3, "data": {}})
+    assert m.latest().name == "step_000003"
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000002", "step_000003", "step_000004",
+                                                               "step_000006"]
+
+
+class _Payload:
+    """What a crafted checkpoint holds: an object whose unpickling runs code."""
+
+    def __reduce__(self):
+        return (os.system, ("touch " + str(Path(os.environ["COTRAIN_TEST_MARK"])),))
+
+
+def test_a_checkpoint_holding_a_pickled_object_is_refused(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    _finished_run(out)
+    d = out / "checkpoints" / f"step_{STEPS:06d}"
+    mark = tmp_path / "ran"
+    monkeypatch.setenv("COTRAIN_TEST_MARK", str(mark))
+    atomic_torch_save({"step": STEPS, "data": {}, "x": _Payload()}, d / "driver.pt")
+    from cotrain.rl.checkpoint import write_manifest
+
+    write_manifest(d)  # the manifest recomputed: integrity holds, origin does not
+    with pytest.raises(CheckpointError, match=f"{d / 'driver.pt'}: refused: it holds a pickled Python object"):
+        CheckpointManager.load_driver_state(d)
+    with pytest.raises(ConfigError, match="driver.pt: refused"):
+        _cfg(out, f"checkpoint.resume={d}")  # --validate-only runs this check
+    with pytest.raises(ConfigError, match="driver.pt: refused"):
+        _cfg(out, "checkpoint.resume=true")
+    cfg = _cfg(tmp_path / "other")
+    cfg.checkpoint.resume = str(d)  # the file changed after validation: the driver refuses it too
+    workers = FakeWorkers()
+    with pytest.raises(CheckpointError, match="refused"):
+        _run(cfg, workers, resume=str(d))
+    assert workers.log == [] and not mark.exists()  # nothing ran
+
+
+@pytest.mark.parametrize("override", ["policy.optimizer.lr=.inf", "grpo.kl_coef=.inf", "policy.optimizer.eps=.nan",
+                                      "rollout.sampling.temperature=.inf", "reward.correct=.nan",
+                                      "policy.optimizer.weight_decay=.inf"])
+def test_non_finite_config_values_are_refused_at_their_key(tmp_path, override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError) as e:
+        _cfg(tmp_path, override)
+    assert key in str(e.value) and "finite" in str(e.value)
+
+
+class _DivergingTrainer(FakeTrainer):
+    def train_step(self, batch):
+        m = super().train_step(batch)
+        if self.updates == 3:
+            m["grad_norm"] = math.inf
+        if self.updates >= 3:
+            m["loss"] = math.nan
+        return m
+
+
+def test_a_non_finite_update_stops_the_run_before_it_is_saved(tmp_path):
+    out = tmp_path / "run"
+    workers = FakeWorkers()
+    workers.trainer = lambda model_path, draft_init: setattr(workers, "trainer_", _DivergingTrainer(workers.log)) \
+        or workers.trainer_
+    with pytest.raises(NonFiniteError, match="step 3: train/loss=nan, train/grad_norm=inf"):
+        _run(_cfg(out, "checkpoint.every=1"), workers)
+    assert sorted(_metrics(out)) == [1, 2]
+    assert [p.name for p in sorted((out / "checkpoints").glob("step_*"))] == ["step_000001", "step_000002"]
+    assert not any(e[:2] == ("push", "policy") and e[3] == 3 for e in workers.log)  # the NaN policy never served
+    assert json.loads((out / "run.json").read_text())["run_id"] == read_run_id(out)
