@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 
 from cotrain import runfolder
+from cotrain.config import ConfigError
+from cotrain.config.resume import describe as describe_changes
 from cotrain.rl.batch import TrainBatch, build_batch
 from cotrain.rl.checkpoint import CheckpointError, CheckpointManager, unsafe_files
 from cotrain.rl.grpo import group_advantages, k3_kl
@@ -161,6 +163,7 @@ class GrpoRun:
         self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
         self.trainer = self.rollout = self.logger = None
         self.rejected_draft_pushes = 0
+        self.resume_changes: list = []  # config keys changed since the resumed checkpoint (applied)
 
     def setup(self, resume) -> None:
         from transformers import AutoTokenizer
@@ -181,6 +184,7 @@ class GrpoRun:
         saved = self.ckpt.load_driver_state(resume_dir) if resume_dir is not None else None
         if saved is not None:
             runfolder.check_resume(cfg, saved.get("run_id"), resume_dir)
+            self.resume_changes = self._resume_changes(resume_dir)
             if saved["step"] > cfg.grpo.num_steps:
                 raise RunFolderError(f"grpo.num_steps={cfg.grpo.num_steps} is below the step of checkpoint "
                                      f"{resume_dir} ({saved['step']}): nothing to continue (allowed: >= "
@@ -202,7 +206,22 @@ class GrpoRun:
             if self.serves_cotrained_drafter:
                 self.push("draft", version=self.state.step)  # ... and drafter
             print(f"resumed from {resume_dir} at step {self.state.step}")
+            if self.resume_changes:
+                print(f"changed since that checkpoint, applied from step {self.state.step + 1} on: "
+                      f"{describe_changes(self.resume_changes)}")
         self.logger = MetricsLogger(cfg, resume_step=self.state.step)
+
+    def _resume_changes(self, resume_dir: Path) -> list:
+        """The config keys changed since ``resume_dir`` was written: those a resume cannot follow
+        raise :class:`ConfigError` (before any worker starts), the others are returned (applied)."""
+        from cotrain.config.resume import changes, saved_config
+        from cotrain.config.validate import resume_issues
+
+        refused = resume_issues(self.cfg, Path(resume_dir))
+        if refused:
+            raise ConfigError(refused)
+        saved = saved_config(resume_dir)
+        return changes(saved, self.cfg.to_dict())[0] if saved is not None else []
 
     @property
     def cotrain(self) -> bool:

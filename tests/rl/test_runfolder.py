@@ -82,7 +82,10 @@ def test_launcher_overwrite_flag(tmp_path):
     spec.loader.exec_module(launcher)
     out = tmp_path / "run"
     _finished_run(out)
-    args = ["--config", str(ROOT / "configs/grpo.yaml"), f"run.output_dir={out}", "--validate-only"]
+    same = ["grpo.num_steps=4", "grpo.prompts_per_step=4", "grpo.group_size=4", "policy.micro_batch_size=4",
+            "data.eval.every=0", "draft.kind=dflash", "draft.cotrain=true", "rollout.speculative.method=dflash",
+            "draft.push_every=2", "checkpoint.every=2", "checkpoint.keep_last=null"]  # as _cfg's run
+    args = ["--config", str(ROOT / "configs/grpo.yaml"), f"run.output_dir={out}", *same, "--validate-only"]
     assert launcher.main(args) == 2
     assert launcher.main(args + ["--overwrite"]) == 0
     assert launcher.main(args + ["--resume"]) == 0
@@ -186,3 +189,37 @@ def test_a_non_finite_update_stops_the_run_before_it_is_saved(tmp_path):
     assert [p.name for p in sorted((out / "checkpoints").glob("step_*"))] == ["step_000001", "step_000002"]
     assert not any(e[:2] == ("push", "policy") and e[3] == 3 for e in workers.log)  # the NaN policy never served
     assert json.loads((out / "run.json").read_text())["run_id"] == read_run_id(out)
+
+
+def test_resume_applies_changed_settings_and_says_so(tmp_path, capsys):
+    out = tmp_path / "run"
+    _finished_run(out)
+    cfg = _cfg(out, "checkpoint.resume=true", f"grpo.num_steps={STEPS + 2}", "policy.optimizer.lr=5e-7",
+               "grpo.kl_coef=0.5")
+    _run(cfg, FakeWorkers(), resume=True)
+    said = capsys.readouterr().out
+    assert f"applied from step {STEPS + 1} on: grpo.kl_coef: " in said and "policy.optimizer.lr: " in said
+    assert "-> 5e-07" in said and "grpo.num_steps" in said
+    saved = yaml.safe_load((out / "checkpoints" / f"step_{STEPS + 2:06d}" / "config.yaml").read_text())
+    assert saved["policy"]["optimizer"]["lr"] == 5e-7
+
+
+@pytest.mark.parametrize("override, key", [("draft.dflash.num_layers=2", "draft.dflash.num_layers"),
+                                           ("policy.parallel.data=2", "policy.parallel.data"),
+                                           ("run.seed=7", "run.seed"),
+                                           ("data.arithmetic.digits=3", "data.arithmetic.digits")])
+def test_resume_refuses_what_the_checkpoint_cannot_follow(tmp_path, override, key):
+    out = tmp_path / "run"
+    _finished_run(out)
+    with pytest.raises(ConfigError) as e:
+        _cfg(out, "checkpoint.resume=true", override)
+    assert e.value.issues[0][0] == key and "which a resume cannot follow" in str(e.value)
+    # the driver checks again (the config is validated before the checkpoint it resumes exists)
+    cfg = _cfg(tmp_path / "fresh", override)
+    cfg.checkpoint.dir = str(out / "checkpoints")
+    workers = FakeWorkers()
+    with pytest.raises(ConfigError, match=key):
+        _run(cfg, workers, resume=True)
+    assert workers.log == []
+    # a drafter kind not in use is not compared
+    _cfg(out, "checkpoint.resume=true", "draft.eagle3.num_layers=3")
