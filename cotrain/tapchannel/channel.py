@@ -25,8 +25,8 @@ own rank are kept by reference and returned by ``read`` as they are: no copy, no
 Transports per source: ``transport`` names one transport for every remote tap (``"shm"``, ``"gloo"``,
 ...), or is ``"auto"``: then each source rank gets the transport its link calls for, from the node
 identities the ranks give (``node=``, e.g. their Ray node id; default: the machine's boot id) - a
-source on the reader's node ``shm`` (CPU) / ``cuda_ipc`` (``device`` on CUDA), a source on another
-node ``gloo`` / ``nccl``. One channel then runs one transport instance per name in use, each over the
+source on the reader's node ``shm`` (CPU) / ``cuda_ipc`` (``device`` on CUDA; ``nccl`` for a source
+that does not see the reader's GPU, by UUID), a source on another node ``gloo`` / ``nccl``. One channel then runs one transport instance per name in use, each over the
 same slot/stamp protocol for its own taps; ``routes`` says which layer went which way.
 
 Microbatch numbering: ``begin_step(M)`` opens microbatches ``0..M-1`` of a step; the channel maps them
@@ -55,6 +55,7 @@ from cotrain.tapchannel.mailbox import Liveness, ProcessInfo
 from cotrain.tapchannel.metrics import TapMetrics
 from cotrain.tapchannel.spec import PipelineLayout, TapSpec, dtype_code
 from cotrain.tapchannel.transports import make_transport
+from cotrain.tapchannel.transports.cuda_ipc import device_uuid, visible_gpus
 
 
 def _gather(obj, group=None) -> list:
@@ -127,12 +128,14 @@ class TapChannel:
         return next(iter(self.transports.values()), None)
 
     @staticmethod
-    def choose(spec: str, same_node: bool, cuda: bool) -> str:
-        """The transport of one source: ``spec`` itself unless it is ``auto`` (then by the link)."""
+    def choose(spec: str, same_node: bool, cuda: bool, sees_reader_gpu: bool = True) -> str:
+        """The transport of one source: ``spec`` itself unless it is ``auto`` (then by the link; on
+        CUDA, a source on the reader's node that does not see the reader's GPU - e.g. a Ray actor
+        with its own ``CUDA_VISIBLE_DEVICES`` - cannot open its IPC handles: ``nccl``)."""
         if spec != "auto":
             return spec
         if same_node:
-            return "cuda_ipc" if cuda else "shm"
+            return ("cuda_ipc" if sees_reader_gpu else "nccl") if cuda else "shm"
         return "nccl" if cuda else "gloo"
 
     def _setup(self, transport: str | TapTransport, device: torch.device | None, node: str | None) -> None:
@@ -147,9 +150,13 @@ class TapChannel:
         my_node = str(node) if node is not None else info.boot_id
         cuda = device is not None and device.type == "cuda"
         sources = tuple(sorted({s.rank for s in self.remote}))
+        # GPUs by UUID: the one this rank's taps live on, and every one it sees (cuda_ipc needs the
+        # reader's among a source's)
+        gpu = device_uuid(device) if cuda else None
+        gpus = tuple(u for _, u in visible_gpus()) if cuda else ()
         # the same channel on every rank of the world: dedicated groups for every pipeline, in one order
         mine = (self.name, self.transport_name, self.layout.stage_ranks, self.layout.reader_rank, my_node, cuda,
-                sources)
+                sources, gpu, gpus)
         everyone = _gather(mine)
         if any((e[0], e[1]) != (self.name, self.transport_name) for e in everyone):
             raise TapSpecMismatchError(f"ranks disagree on the channel: {sorted(set((e[0], e[1]) for e in everyone))}")
@@ -162,9 +169,10 @@ class TapChannel:
         control, data, route = None, {}, {}
         for p in pipelines:
             reader = everyone[p[0]][3]
-            _, _, _, _, reader_node, reader_cuda, srcs = everyone[reader]  # the reader's view of its sources
+            _, _, _, _, reader_node, reader_cuda, srcs, reader_gpu, _ = everyone[reader]  # the reader's view
             names = {src: given.name if given is not None else
-                     self.choose(self.transport_name, node_of[src] == reader_node, reader_cuda) for src in srcs}
+                     self.choose(self.transport_name, node_of[src] == reader_node, reader_cuda,
+                                 reader_gpu in everyone[src][8]) for src in srcs}
             backends = sorted({b for b in (self._backend(n, given) for n in names.values()) if b})
             g = dist.new_group(list(p), backend="gloo", timeout=group_timeout)
             d = {b: dist.new_group(list(p), backend=b, timeout=group_timeout) for b in backends}

@@ -18,21 +18,80 @@ both sides of a slot:
   slot cannot overwrite rows the reader's GPU has not read yet. Kernels on other streams that use a
   zero-copy view must be ordered before the release by the caller.
 
-Requirements: all ranks on one node, and each writer sees the reader's GPU under the same device index
-as the reader (IPC handles name the device by the opener's numbering; with per-process
-``CUDA_VISIBLE_DEVICES`` - as Ray sets by default - give every training worker all the node's GPUs).
-A process cannot open its own IPC handle, so the reader's own taps never use it (they are local).
-Tested only on machines with CUDA (its tests skip elsewhere).
+Devices. A CUDA IPC handle carries the exporting process's *index* of its device (the
+``storage_device`` argument of ``torch.multiprocessing.reductions.rebuild_cuda_tensor``, which opens
+the handle under that index in the opening process). Under Ray each actor sees only its own GPU
+(``CUDA_VISIBLE_DEVICES`` set per actor), so indices differ between processes. The reader therefore
+names its buffers' GPU by UUID (``torch.cuda.get_device_properties(i).uuid``); each writer finds the
+local index of that UUID among the GPUs it sees (:func:`local_index_of`) and opens the handles under
+it. A writer that does not see the reader's GPU at all cannot open the memory (torch would label it
+with a wrong device): set-up fails on every rank with an error naming the UUID and the GPUs the
+writer sees. The remedy: let every trainer process see all of the node's GPUs - Ray's
+``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` in the actors' environment, with each rank calling
+``torch.cuda.set_device`` on its own GPU - or use the ``nccl`` transport (``auto`` does that by
+itself for a source that does not see the reader's GPU).
+
+Requirements: all ranks on one node. A process cannot open its own IPC handle, so the reader's own
+taps never use it (they are local). Tested only on machines with CUDA (its tests skip elsewhere;
+the UUID lookup is tested on CPU).
 """
 
 from __future__ import annotations
 
+import inspect
+from typing import Sequence
+
 import torch
 import torch.distributed as dist
 
+from cotrain.tapchannel.errors import TapError
 from cotrain.tapchannel.interfaces import TransportContext
 from cotrain.tapchannel.transports.release import DeferredRelease
 from cotrain.tapchannel.transports.shm import ShmTransport
+
+
+def _storage_device_arg() -> int:
+    """Position of ``storage_device`` among ``rebuild_cuda_tensor``'s arguments (read from torch itself)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    return list(inspect.signature(rebuild_cuda_tensor).parameters).index("storage_device")
+
+
+def open_handle(handle: tuple, local_index: int):
+    """Rebuild a ``reduce_tensor`` handle ``(rebuild_cuda_tensor, args)`` on this process's device
+    ``local_index`` (the handle carries the exporter's own index of it)."""
+    fn, args = handle
+    at = _storage_device_arg()
+    return fn(*args[:at], local_index, *args[at + 1:])
+
+
+class CudaIpcDeviceError(TapError):
+    """A writer does not see the GPU that holds the reader's slots (module doc: what to do)."""
+
+
+REMEDY = ("CUDA IPC opens memory only on a GPU the process sees: let every trainer process see all of the node's "
+          "GPUs (Ray: RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1 for the actors, then torch.cuda.set_device per "
+          "rank), or use the 'nccl' tap transport ('auto' picks it for such a source)")
+
+
+def visible_gpus() -> list[tuple[int, str]]:
+    """(local index, UUID) of every GPU this process sees."""
+    return [(i, str(torch.cuda.get_device_properties(i).uuid)) for i in range(torch.cuda.device_count())]
+
+
+def device_uuid(device: torch.device | int) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def local_index_of(uuid: str, visible: Sequence[tuple[int, str]], who: str = "this process") -> int:
+    """The local index of the GPU with ``uuid`` among ``visible`` ((index, UUID) pairs); raises
+    CudaIpcDeviceError naming the UUID and what ``who`` sees when it is not there (or there twice)."""
+    hits = [i for i, u in visible if u == uuid]
+    if len(hits) == 1:
+        return hits[0]
+    seen = ", ".join(f"{i}: {u}" for i, u in visible) or "no GPU"
+    what = "does not see" if not hits else f"sees {len(hits)} times"
+    raise CudaIpcDeviceError(f"{who} {what} the reader's GPU {uuid} (it sees {seen}); {REMEDY}")
 
 
 class CudaIpcTransport(ShmTransport):
@@ -54,18 +113,33 @@ class CudaIpcTransport(ShmTransport):
         from torch.multiprocessing.reductions import reduce_tensor
 
         self._device = ctx.device or torch.device("cuda", torch.cuda.current_device())
-        handles = None
+        handles = uuid = None
         if ctx.is_reader:
             self._buffers = [torch.zeros(ctx.slots, ctx.max_tokens, s.width, dtype=s.dtype, device=self._device)
                              for s in ctx.taps]
             torch.cuda.synchronize(self._device)
             handles = [reduce_tensor(b) for b in self._buffers]  # (rebuild function, args) per tap
-        obj = [handles]
+            uuid = device_uuid(self._device)
+        obj = [(uuid, handles)]
         dist.broadcast_object_list(obj, src=ctx.layout.reader_rank, group=ctx.control_group)
+        uuid, handles = obj[0]
+        index, error = None, None
         if not ctx.is_reader and ctx.my_taps():
+            try:
+                index = local_index_of(uuid, visible_gpus(), who=f"writer rank {ctx.rank}")
+            except CudaIpcDeviceError as e:
+                error = str(e)
+        # every rank learns every writer's failure, so none is left waiting in the collectives below
+        errors: list = [None] * dist.get_world_size(ctx.control_group)
+        dist.all_gather_object(errors, error, group=ctx.control_group)
+        failed = [e for e in errors if e]
+        if failed:
+            raise CudaIpcDeviceError(f"transport 'cuda_ipc' of channel {ctx.name!r}: " + "; ".join(failed))
+        if index is not None:
             mine = set(ctx.my_taps())
-            # only this writer's taps are opened; the others are placeholders never touched
-            self._buffers = [fn(*args) if t in mine else None for t, (fn, args) in enumerate(obj[0])]
+            # only this writer's taps are opened, under its own index of the reader's GPU; the others
+            # are placeholders never touched
+            self._buffers = [open_handle(h, index) if t in mine else None for t, h in enumerate(handles)]
         super().setup(ctx)
 
     # ----- writer ------------------------------------------------------------------------------------

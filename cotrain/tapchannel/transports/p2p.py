@@ -17,13 +17,31 @@ in the reader's own memory. The threads only post receives for the microbatches 
 (``begin_step``), so an idle channel between steps has nothing pending. A source that dies closes its
 TCP pair; the thread's receive fails and the reader's wait raises ``TapSourceDeadError``.
 
-With ``nccl`` (untested here, no GPU): tensors live on the current CUDA device, receives are followed
-by a stream synchronisation before the stamp, and a second communicator runs next to Megatron's - keep
-NCCL's usual caveats about concurrent communicators in mind.
+With ``nccl`` (run only where CUDA is; the CPU tests run gloo): tensors live on the reader's CUDA
+device, and a second communicator runs next to Megatron's - keep NCCL's usual caveats about
+concurrent communicators in mind. Streams and ordering on the reader:
+
+- The mailbox threads post their receives from a CUDA stream of their own (``recv_stream``), never
+  the default stream Megatron computes on: ProcessGroupNCCL orders an operation after the posting
+  thread's current stream, and the thread waits for a receive by polling ``Work.is_completed()``,
+  so neither a receive nor its wait is queued behind (or stalls) the compute, e.g. behind a
+  pipeline receive that needs this very tap.
+- After the rows of ``seq`` are in, the thread records an event on ``recv_stream`` and only then
+  stores the stamp; the reader's ``wait`` makes its compute stream wait on that event
+  (``compute.wait_event``) before anything reads the slot.
+- ``release`` records an event on the compute stream (after the copy-out or the kernels that read a
+  zero-copy view); before posting a receive into that slot again, the thread makes ``recv_stream``
+  wait on it, so NCCL cannot overwrite rows the compute stream has not read yet.
+
+Timeouts under NCCL: ``Work.wait(timeout=)`` on an NCCL work that times out aborts the communicator
+and tears the process down through ProcessGroupNCCL's error handling instead of returning an
+exception one could name, so the writer's bounded wait for its sends polls ``is_completed()``
+against the deadline and raises TapTimeoutError itself (gloo keeps ``wait(timeout=)``, which raises).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -85,47 +103,50 @@ class _Receiver(threading.Thread):
             return True
 
     def run(self) -> None:
+        try:
+            with self.tr.receiving():
+                self._run()
+        except BaseException as e:  # reported to the reader through its liveness probe
+            self.error = e
+
+    def _run(self) -> None:
         tr, ctx = self.tr, self.tr.ctx
-        if tr.device.type == "cuda":
-            torch.cuda.set_device(tr.device)
         hdrs = [torch.zeros(3, dtype=torch.int64, device=tr.device) for _ in range(2)]
         mine = {t for t, s in enumerate(ctx.taps) if s.rank == self.src}
         recv = partial(dist.irecv, src=self.src, group=ctx.data_group)
         k, next_hdr = 0, None
-        try:
-            while True:
-                if next_hdr is None:
-                    if not self._take(block=True):
-                        return
-                    next_hdr = recv(hdrs[k % 2], tag=HEADER_TAG)
-                next_hdr.wait()
-                tr._sync()
-                seq, t, n = (int(v) for v in hdrs[k % 2].tolist())
-                next_hdr = None
-                if t not in mine or not 0 <= n <= ctx.max_tokens:
-                    raise TapSpecMismatchError(f"bad tap header from rank {self.src}: seq {seq}, tap {t}, ntok {n}")
-                mb = tr.mailbox
-                with self.cond:
-                    want = self.next_seq.get(t, seq)
-                    self.next_seq[t] = seq + 1
-                if seq != want:  # per tap, sources write microbatches in order
-                    spec = ctx.taps[t]
-                    raise TapLappedError(
-                        "the source sent a microbatch out of order: "
-                        + ("it is ahead of the reader (skipped, or its step numbering is ahead)" if seq > want else "stale"),
-                        layer=spec.layer, rank=self.src, slot=mb.slot(want), expected=want + 1, seen=seq + 1)
-                mb.check_writable(t, seq)
-                mb.wait_free(t, seq, None, dead=lambda: "channel closed" if self.stopped else None)
-                data = recv(mb.data[t][mb.slot(seq), :n], tag=DATA_TAG) if n else None
-                if self._take(block=False):  # the next header's receive is posted while the rows arrive
-                    next_hdr = recv(hdrs[(k + 1) % 2], tag=HEADER_TAG)
-                if data is not None:
-                    data.wait()
-                    tr._sync()
-                mb.publish(t, seq, n)
-                k += 1
-        except BaseException as e:  # reported to the reader through its liveness probe
-            self.error = e
+        while True:
+            if next_hdr is None:
+                if not self._take(block=True):
+                    return
+                next_hdr = recv(hdrs[k % 2], tag=HEADER_TAG)
+            if not tr._await(next_hdr, self):
+                return
+            seq, t, n = (int(v) for v in hdrs[k % 2].tolist())
+            next_hdr = None
+            if t not in mine or not 0 <= n <= ctx.max_tokens:
+                raise TapSpecMismatchError(f"bad tap header from rank {self.src}: seq {seq}, tap {t}, ntok {n}")
+            mb = tr.mailbox
+            with self.cond:
+                want = self.next_seq.get(t, seq)
+                self.next_seq[t] = seq + 1
+            if seq != want:  # per tap, sources write microbatches in order
+                spec = ctx.taps[t]
+                raise TapLappedError(
+                    "the source sent a microbatch out of order: "
+                    + ("it is ahead of the reader (skipped, or its step numbering is ahead)" if seq > want else "stale"),
+                    layer=spec.layer, rank=self.src, slot=mb.slot(want), expected=want + 1, seen=seq + 1)
+            mb.check_writable(t, seq)
+            mb.wait_free(t, seq, None, dead=lambda: "channel closed" if self.stopped else None)
+            tr._slot_free(t, mb.slot(seq))  # after the reader's reads of the slot's previous rows
+            data = recv(mb.data[t][mb.slot(seq), :n], tag=DATA_TAG) if n else None
+            if self._take(block=False):  # the next header's receive is posted while the rows arrive
+                next_hdr = recv(hdrs[(k + 1) % 2], tag=HEADER_TAG)
+            if data is not None and not tr._await(data, self):
+                return
+            tr._received(t, mb.slot(seq))  # before the stamp: the reader's compute stream waits on it
+            mb.publish(t, seq, n)
+            k += 1
 
 
 class GlooTransport(TapTransport):
@@ -146,6 +167,28 @@ class GlooTransport(TapTransport):
 
     def _sync(self) -> None:
         pass
+
+    # ----- hooks the nccl transport overrides (gloo: plain waits, one CPU "stream") ----------------------
+    def receiving(self):
+        """Context of a mailbox thread's whole life (nccl: its device and its own CUDA stream)."""
+        return contextlib.nullcontext()
+
+    def _await(self, work, rcv: _Receiver) -> bool:
+        """Mailbox thread: block until a posted receive has completed (False: the channel closed first)."""
+        work.wait()
+        self._sync()
+        return True
+
+    def _slot_free(self, t: int, slot: int) -> None:
+        """Mailbox thread, before posting a receive into ``slot``: order it after the reader's reads."""
+
+    def _received(self, t: int, slot: int) -> None:
+        """Mailbox thread, after the rows of ``slot`` are in and before its stamp."""
+
+    def _wait_send(self, work, deadline: float | None) -> None:
+        """Writer: wait for one send, raising RuntimeError("... timed out ...") past ``deadline``."""
+        left = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
+        work.wait() if left is None else work.wait(timeout=timedelta(seconds=left))
 
     def setup(self, ctx: TransportContext) -> None:
         self.ctx = ctx
@@ -188,9 +231,8 @@ class GlooTransport(TapTransport):
         while q and q[0][0] <= upto_seq:
             seq, works, _keep = q.popleft()
             for w in works:
-                left = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
                 try:
-                    w.wait() if left is None else w.wait(timeout=timedelta(seconds=left))
+                    self._wait_send(w, deadline)
                 except RuntimeError as e:
                     spec = self.ctx.taps[t]
                     kw = dict(layer=spec.layer, rank=spec.rank, slot=seq % self.ctx.slots, expected=seq + 1, seen=-1)
@@ -241,13 +283,73 @@ class GlooTransport(TapTransport):
 
 
 class NcclTransport(GlooTransport):
+    """gloo's protocol on an NCCL group, with the reader's receives on their own CUDA stream (module doc)."""
+
     name = "nccl"
     data_backend = "nccl"
+    POLL_S = 5e-5  # the mailbox thread's and the writer's pause between is_completed() polls
+
+    def __init__(self):
+        super().__init__()
+        self.recv_stream: torch.cuda.Stream | None = None
+        self._recv_events: list[list] = []  # [tap][slot]: recorded on recv_stream after the rows came in
+        self._release_events: list[list] = []  # [tap][slot]: recorded on the compute stream at release
 
     def _pick_device(self, ctx: TransportContext) -> torch.device:
         if not torch.cuda.is_available():
             raise RuntimeError("transport 'nccl' needs CUDA")
         return ctx.device or torch.device("cuda", torch.cuda.current_device())
 
+    def setup(self, ctx: TransportContext) -> None:
+        self.device = self._pick_device(ctx)
+        if ctx.is_reader:
+            self.recv_stream = torch.cuda.Stream(self.device)
+            self._recv_events = [[None] * ctx.slots for _ in ctx.taps]
+            self._release_events = [[None] * ctx.slots for _ in ctx.taps]
+        super().setup(ctx)
+
     def _sync(self) -> None:
-        torch.cuda.current_stream(self.device).synchronize()
+        self.recv_stream.synchronize()
+
+    @contextlib.contextmanager
+    def receiving(self):
+        torch.cuda.set_device(self.device)
+        with torch.cuda.stream(self.recv_stream):  # this thread's current stream: NCCL orders after it
+            yield
+
+    def _await(self, work, rcv: _Receiver) -> bool:
+        # is_completed() polls the work's end event: no stream wait, no CPU block behind other work
+        while not work.is_completed():
+            if rcv.stopped:
+                return False
+            time.sleep(self.POLL_S)
+        return True
+
+    def _slot_free(self, t: int, slot: int) -> None:
+        event = self._release_events[t][slot]
+        if event is not None:
+            self.recv_stream.wait_event(event)
+
+    def _received(self, t: int, slot: int) -> None:
+        event = torch.cuda.Event()
+        event.record(self.recv_stream)
+        self._recv_events[t][slot] = event
+
+    def _wait_send(self, work, deadline: float | None) -> None:
+        while not work.is_completed():
+            if deadline is not None and time.monotonic() > deadline:
+                raise RuntimeError("NCCL send timed out (polled is_completed() up to the channel's deadline)")
+            time.sleep(self.POLL_S)
+
+    def wait(self, t: int, seq: int, deadline: float) -> float:
+        waited = super().wait(t, seq, deadline)
+        event = self._recv_events[t][self.mailbox.slot(seq)]
+        if event is not None:  # the compute stream reads the slot only after the rows are in
+            torch.cuda.current_stream(self.device).wait_event(event)
+        return waited
+
+    def release(self, t: int, seq: int) -> None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))  # after the copy-out / the view's readers
+        self._release_events[t][self.mailbox.slot(seq)] = event  # before `released`: the thread reads it after
+        super().release(t, seq)
