@@ -123,9 +123,9 @@ MUTANTS: list[Mutant] = [
       ["tests/rl/test_plot.py"], "each curve loses its first logged step"),
     # ----- cotrain/rl/driver.py: the contract with the workers (tests on in-process fakes, seconds) -----------
     M("rl.driver_release_only_on_success", "cotrain/rl/driver.py",
-      "        try:\n            self.rollout.push_handle(kind, handle, version)\n        finally:\n"
+      "        try:\n            self.rollout.push(kind, handle, version)\n        finally:\n"
       "            self.trainer.release_export(handle)",
-      "        self.rollout.push_handle(kind, handle, version)\n        self.trainer.release_export(handle)",
+      "        self.rollout.push(kind, handle, version)\n        self.trainer.release_export(handle)",
       ["tests/rl/test_driver_contract.py"], "a failed push leaks its export (the handle is never released)"),
     M("rl.driver_draft_push_every_step", "cotrain/rl/driver.py",
       "if self.serves_cotrained_drafter and step % cfg.draft.push_every == 0:", "if self.serves_cotrained_drafter:",

@@ -297,14 +297,14 @@ class GrpoRun:
     def push(self, kind: str, version: int) -> None:
         handle = self.trainer.export(kind, version)
         try:
-            self.rollout.push_handle(kind, handle, version)
+            self.rollout.push(kind, handle, version)
         finally:
             self.trainer.release_export(handle)
 
     def push_draft(self, step: int) -> dict[str, float]:
         """Push the co-trained drafter; a rejected push leaves the engines on the previous drafter
         and is reported (a warning and ``draft/push_ok`` = 0), never ignored."""
-        from cotrain.rl.weight_transport import WeightPushError
+        from cotrain.weights import WeightPushError
 
         t0 = time.perf_counter()
         try:

@@ -11,9 +11,9 @@ The driver (:mod:`cotrain.rl.driver`) reaches its workers only through these int
 * a :class:`WorkerFactory` builds both for a run (:class:`cotrain.rl.ray_workers.RayWorkers`,
   the default).
 
-A weight push is ``handle = trainer.export(kind, version)`` -> ``rollout.push_handle(kind, handle,
+A weight push is ``handle = trainer.export(kind, version)`` -> ``rollout.push(kind, handle,
 version)`` -> ``trainer.release_export(handle)``; the handle is a small picklable dict whose
-format is the trainer's and the engines' business (:mod:`cotrain.rl.weight_transport`).
+format is the trainer's and the engines' business (:mod:`cotrain.weights`).
 A new engine or trainer implements one of these classes; the driver's tests run it on in-process
 fakes (tests/rl/test_driver_contract.py).
 """
@@ -71,10 +71,10 @@ class GenerationBackend(ABC):
         """``n`` samples for each prompt, in prompt order (``sampling.seed`` makes them reproducible)."""
 
     @abstractmethod
-    def push_handle(self, kind: WeightKind, handle: dict, version: int) -> dict[str, float]:
+    def push(self, kind: WeightKind, handle: dict, version: int) -> dict[str, float]:
         """Load the ``kind`` weights a :meth:`TrainingBackend.export` published; a policy push makes
         ``version`` the served weight version. A rejected push raises
-        :class:`~cotrain.rl.weight_transport.WeightPushError` and every engine keeps serving what
+        :class:`~cotrain.weights.checks.WeightPushError` and every engine keeps serving what
         it served before. Returns timings."""
 
     @abstractmethod
@@ -118,7 +118,7 @@ class TrainingBackend(ABC):
     @abstractmethod
     def export(self, kind: WeightKind, version: int) -> dict:
         """Publish the current ``kind`` weights for the engines; returns the handle
-        :meth:`GenerationBackend.push_handle` loads. Free it with :meth:`release_export`."""
+        :meth:`GenerationBackend.push` loads. Free it with :meth:`release_export`."""
 
     @abstractmethod
     def release_export(self, handle: dict) -> None:

@@ -6,9 +6,16 @@ Three layers, each a :class:`~cotrain.rl.interfaces.GenerationBackend` or a part
 * :class:`VllmGeneration` - one engine in this process: ``generate(prompts, sampling, n)`` ->
   token ids, the sampler's log-probabilities, text, finish reason, weight version and, with
   speculative decoding, per-request acceptance statistics; weight pushes by tensors or handles;
-* :class:`RolloutWorker` (the body of a Ray actor, one engine each) and :class:`RolloutGroup`
-  (E actors: splits prompts across them in contiguous chunks, gathers results in prompt order,
-  broadcasts weight pushes). ``RolloutGroup.from_config(cfg)`` reads the ``rollout`` section.
+* :class:`RolloutWorker` (a :class:`VllmGeneration` as the body of a Ray actor, one engine each)
+  and :class:`RolloutGroup` (E actors: splits prompts across them in contiguous chunks, gathers
+  results in prompt order, broadcasts weight pushes). ``RolloutGroup.from_config(cfg)`` reads the
+  ``rollout`` section.
+
+A weight push is ``push(kind, handle, version)`` at every level: ``RolloutGroup.push`` (driver
+process) -> ``RolloutWorker.push`` (the engine's actor: :func:`cotrain.rl.vllm.client.push`) ->
+``update_weights`` in vLLM's workers, whose ``cotrain`` backend checks the handle, once, and loads
+it (:mod:`cotrain.rl.vllm.transfer_backend`). ``push_weights(kind, tensors, version)`` sends
+tensors through the level's transport and pushes the handle.
 
 Reproducibility: with ``SamplingSpec.seed = s``, prompt ``i`` of a batch (its index in the whole
 batch, not within an engine's chunk) is sampled with seed ``s + i * n`` and its ``j``-th sample
@@ -30,17 +37,8 @@ from typing import Any, Sequence
 import torch
 
 from cotrain.rl.interfaces import GenerationBackend, GenerationResult, Sample, SamplingSpec, WeightKind
-from cotrain.rl.weight_transport import (
-    WeightPushError,
-    WeightTransport,
-    check_manifest,
-    localize_handle,
-    make_transport,
-    manifest_of,
-    push_through,
-    resolve_transport_name,
-    shared_name_reasons,
-)
+from cotrain.weights import WeightPushError, WeightTransport, make_transport, push_through, resolve_transport_name
+from cotrain.weights.transports.object_store import localize_handle
 
 Prompt = str | list[int]
 SPEC_SCALARS = ("mean_acceptance_length", "draft_acceptance_rate", "num_spec_steps", "num_accepted_draft_tokens",
@@ -132,7 +130,8 @@ class VllmGeneration(GenerationBackend):
 
     ``VllmGeneration(EngineSpec(path))`` builds the engine; ``VllmGeneration(llm=...)`` wraps one
     built by :func:`cotrain.rl.vllm.engine.make_cotrain_llm`. ``transport`` carries
-    :meth:`push_weights` (default: ``auto`` = shm on CPU, cuda_ipc on GPU).
+    :meth:`push_weights` (default: ``auto`` = shm on CPU, cuda_ipc on GPU). ``gpus``: the UUID of
+    each of its workers' GPUs (empty on CPU).
     """
 
     def __init__(self, spec: EngineSpec | None = None, *, llm=None, initial_version: int = 0,
@@ -148,7 +147,7 @@ class VllmGeneration(GenerationBackend):
         self._transport = transport
         self.draft_version: int | None = None
         self.speculative = bool(self.llm.llm_engine.vllm_config.speculative_config)
-        self._manifests: dict[str, dict] = {}
+        self.gpus: list[str] | None = None
         self.relayed_pushes = 0  # object_store pushes whose bytes came from another node
 
     # -- generation
@@ -212,24 +211,18 @@ class VllmGeneration(GenerationBackend):
         return self._transport
 
     def push_weights(self, kind: WeightKind, named_tensors: dict[str, torch.Tensor], version: int) -> dict[str, Any]:
-        """Send through :attr:`transport` and load; raises :class:`WeightPushError` (engine unchanged)."""
-        return push_through(self.transport, named_tensors, version, lambda h: self.push_handle(kind, h, version))
+        """Send through :attr:`transport` and :meth:`push`; raises :class:`WeightPushError` (engine unchanged)."""
+        return push_through(self.transport, named_tensors, version, lambda h: self.push(kind, h, version))
 
-    def push_handle(self, kind: WeightKind, handle: dict, version: int | None = None) -> dict[str, Any]:
-        """Load a handle made by a trainer's :class:`WeightTransport` (the sender releases it)."""
-        from cotrain.rl.vllm.client import push_handle
+    def push(self, kind: WeightKind, handle: dict, version: int | None = None) -> dict[str, Any]:
+        """Load a handle a trainer's :class:`WeightTransport` made (the sender releases it)."""
+        from cotrain.rl.vllm.client import push
 
-        if kind == "draft":
-            try:
-                _require_drafter(self.llm.llm_engine.vllm_config.speculative_config)
-            except WeightPushError:
-                self.drain(handle)
-                raise
         version = int(handle.get("version", 0) if version is None else version)
         # object_store: bytes from another node land in a /dev/shm file of this one (vLLM reads shm)
         local, cleanup = localize_handle(handle)
         try:
-            stats = push_handle(self.llm, kind, local, version)
+            stats = push(self.llm, kind, local, version)
         finally:
             cleanup()
         if local.get("relayed"):
@@ -238,11 +231,13 @@ class VllmGeneration(GenerationBackend):
             self.draft_version = version
         return stats
 
-    def expected_manifest(self, kind: WeightKind = "policy") -> dict[str, Any]:
-        """What a push of ``kind`` must carry (``{"expected": {name: [shape, dtype]}, "shared": [...]}``)."""
-        if kind not in self._manifests:
-            self._manifests[kind] = self.llm.collective_rpc("cotrain_expected_manifest", args=(kind,))[0]
-        return self._manifests[kind]
+    def gpu_uuids(self) -> list[str]:
+        """The UUID of every worker's GPU (empty on CPU): the GPUs a ``cuda_ipc`` push must reach."""
+        if self.gpus is None:
+            from cotrain.rl.vllm.client import gpu_uuids
+
+            self.gpus = gpu_uuids(self.llm)
+        return self.gpus
 
     def sleep(self) -> None:
         """vLLM's sleep mode, level 1: the weights move to host memory, the KV cache is freed."""
@@ -256,17 +251,11 @@ class VllmGeneration(GenerationBackend):
         vLLM's ``NCCLWeightTransferInitInfo`` (see :meth:`RolloutGroup.init_broadcast_group`)."""
         self.llm.init_weight_transfer_engine({"init_info": {"transport": "nccl", "options": dict(options)}})
 
-    def drain(self, handle: dict) -> None:
-        """Receive and drop an ``nccl`` push this engine will not load (no-op for other transports)."""
-        from cotrain.rl.vllm.client import drain_broadcast
-
-        drain_broadcast(self.llm, handle)
-
     def status(self) -> dict[str, Any]:
         from cotrain.rl.vllm.client import engine_status
 
         st = engine_status(self.llm)
-        st.update(weight_version=self.weight_version(), draft_version=self.draft_version,
+        st.update(weight_version=self.weight_version(), draft_version=self.draft_version, gpus=self.gpu_uuids(),
                   speculative=self.speculative, startup_s=self.startup_s, relayed_pushes=self.relayed_pushes)
         return st
 
@@ -281,8 +270,8 @@ class VllmGeneration(GenerationBackend):
 
 
 # ------------------------------------------------------------------------------- Ray actors
-class RolloutWorker:
-    """The body of a rollout Ray actor: one :class:`VllmGeneration`.
+class RolloutWorker(VllmGeneration):
+    """The body of a rollout Ray actor: a :class:`VllmGeneration` whose process is set up first.
 
     Create it through :class:`RolloutGroup` (or ``ray.remote(RolloutWorker)``); ``env`` is set
     before the engine is built (e.g. ``COTRAIN_VLLM_MULTIPROCESS``).
@@ -300,49 +289,15 @@ class RolloutWorker:
                 from torch import _dynamo
 
                 _dynamo.config.disable = True
-        self.gen = VllmGeneration(spec, initial_version=initial_version)
+        super().__init__(spec, initial_version=initial_version)
 
     def ready(self) -> dict[str, Any]:
         import ray
 
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
-                "startup_s": self.gen.startup_s, "torch_threads": torch.get_num_threads(),
+                "startup_s": self.startup_s, "torch_threads": torch.get_num_threads(),
                 "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
-
-    def generate(self, prompts: Sequence[Prompt], sampling: SamplingSpec, n: int = 1,
-                 prompt_offset: int = 0) -> GenerationResult:
-        return self.gen.generate(prompts, sampling, n, prompt_offset)
-
-    def push_handle(self, kind: WeightKind, handle: dict, version: int | None = None) -> dict[str, Any]:
-        return self.gen.push_handle(kind, handle, version)
-
-    def push_weights(self, kind: WeightKind, named_tensors: dict[str, torch.Tensor], version: int) -> dict[str, Any]:
-        return self.gen.push_weights(kind, named_tensors, version)
-
-    def weight_version(self) -> int:
-        return self.gen.weight_version()
-
-    def expected_manifest(self, kind: WeightKind = "policy") -> dict[str, Any]:
-        return self.gen.expected_manifest(kind)
-
-    def init_broadcast_group(self, options: dict) -> None:
-        self.gen.init_broadcast_group(options)
-
-    def sleep(self) -> None:
-        self.gen.sleep()
-
-    def wake_up(self) -> None:
-        self.gen.wake_up()
-
-    def drain(self, handle: dict) -> None:
-        self.gen.drain(handle)
-
-    def status(self) -> dict[str, Any]:
-        return self.gen.status()
-
-    def shutdown(self) -> None:
-        self.gen.shutdown()
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "gpu_uuids": self.gpu_uuids()}
 
 
 def split_evenly(count: int, parts: int) -> list[tuple[int, int]]:
@@ -360,13 +315,12 @@ class RolloutGroup(GenerationBackend):
     """``num_engines`` :class:`RolloutWorker` actors behind one :class:`GenerationBackend`.
 
     Needs a running Ray (``ray.init`` first). ``generate`` gives each engine a contiguous chunk
-    of the prompts and returns samples in prompt order. ``push_weights`` validates the tensors
-    against engine 0's expected names/shapes *before any engine changes* (all engines serve the
-    same checkpoint), sends them once through ``transport`` (``shm`` by default on CPU: one file
-    that every engine on the node reads) and loads them into all engines in parallel.
-    ``push_handle`` forwards a handle a trainer made (GPU transports: cuda_ipc, nccl, whose bytes
-    vLLM's own weight-transfer engines move; object_store: engines on other nodes fetch the bytes
-    from Ray's object store).
+    of the prompts and returns samples in prompt order. ``push`` forwards a handle a trainer made
+    to every engine at once (each engine's backend checks it before its model changes; all serve
+    the same checkpoint, so they accept or refuse it alike); ``push_weights`` sends tensors once
+    through ``transport`` (``shm`` by default on CPU: one file that every engine on the node
+    reads) and pushes that handle. ``gpus``: the GPU UUIDs of every engine worker (empty on CPU),
+    which a ``cuda_ipc`` handle set must cover.
 
     Placement: ``placement`` (a :class:`~cotrain.placement.ClusterPlacement`, several nodes) puts
     engine ``e`` in its bundle of the run's placement group, on the node the layout gives it, and
@@ -391,15 +345,23 @@ class RolloutGroup(GenerationBackend):
         self._transport: WeightTransport | None = transport if isinstance(transport, WeightTransport) else None
         self.initial_version = int(initial_version)
         self.draft_version: int | None = None
-        self._manifests: dict[str, dict] = {}
         self.placement = placement
+        from cotrain.placement import wait_placed
+
         opts = {"num_cpus": cpus_per_engine, "num_gpus": gpus_per_engine, **(actor_options or {})}
+        # with a placement each engine's resources, bundle and (colocated TP > 1) vLLM's worker
+        # placement come from the layout (cotrain.placement.NodeLayout.engine_resources / engine_env)
+        per_engine = [{**opts, **(placement.engine_options(e) if placement else {})} for e in range(num_engines)]
+        envs = [{**(env or {}), **(placement.engine_env(e) if placement is not None and hasattr(placement, "engine_env")
+                                   else {})} for e in range(num_engines)]
         cls = ray.remote(RolloutWorker)
         t0 = time.perf_counter()
-        self.actors = [cls.options(**opts, **(placement.engine_options(e) if placement else {}))
-                       .remote(spec, initial_version, env) for e in range(num_engines)]
+        self.actors = [cls.options(**o).remote(spec, initial_version, en) for o, en in zip(per_engine, envs)]
+        wait_placed(self.actors, [f"rollout engine {e}" for e in range(num_engines)], per_engine,
+                    getattr(placement, "start_timeout_s", None) or 120.0)
         self.ready_info = self._get([a.ready.remote() for a in self.actors], "engine start-up")
         self.node_ids: list[str | None] = [info.get("node_id") for info in self.ready_info]
+        self.gpus: list[str] = [u for info in self.ready_info for u in info.get("gpu_uuids", [])]
         self.startup_s = time.perf_counter() - t0
 
     def _get(self, refs: list, what: str) -> list:
@@ -418,6 +380,14 @@ class RolloutGroup(GenerationBackend):
         r = cfg.rollout
         gpus = r.gpus_per_engine if r.gpus_per_engine is not None else (0.0 if not torch.cuda.is_available()
                                                                          else float(r.tensor_parallel))
+        if r.colocate and r.tensor_parallel > 1:
+            # the TP workers go into the trainer ranks' GPU bundles through vLLM's Ray executor
+            # (cotrain.placement.NodeLayout.engine_env), named here rather than left to vLLM's guess,
+            # and run in the actor's process (as NeMo-RL does), where Ray is connected and
+            # ray.util.get_current_placement_group() is the run's
+            spec.extra.setdefault("distributed_executor_backend", "ray")
+            if multiprocess is None:
+                spec.multiprocess = False
         transport = kwargs.pop("transport", None) or (r.weight_transport if r.weight_transport != "auto" else "auto")
         return cls(spec, r.num_engines, cpus_per_engine=r.cpus_per_engine, gpus_per_engine=gpus,
                    transport=transport, env=env, **kwargs)  # placement=: see the class docstring
@@ -443,50 +413,21 @@ class RolloutGroup(GenerationBackend):
             name = resolve_transport_name(str(self._transport_choice))
             if name == "nccl":
                 raise WeightPushError("with the nccl transport the trainer broadcasts: make the handle with its "
-                                      "NcclBroadcastTransport and call push_handle (after init_broadcast_group)")
+                                      "NcclBroadcastTransport and call push (after init_broadcast_group)")
             self._transport = make_transport(name)
         return self._transport
 
-    def expected_manifest(self, kind: WeightKind = "policy") -> dict[str, Any]:
-        import ray
-
-        if kind not in self._manifests:
-            self._manifests[kind] = ray.get(self.actors[0].expected_manifest.remote(kind))
-        return self._manifests[kind]
-
-    def check(self, kind: WeightKind, manifest: list) -> None:
-        """Raise :class:`WeightPushError` unless a push with this manifest would be accepted."""
-        if kind not in ("policy", "draft"):
-            raise ValueError(f"kind={kind!r} (allowed: policy, draft)")
-        if kind == "draft":
-            _require_drafter(self.spec.speculative)
-        exp = self.expected_manifest(kind)
-        check_manifest(manifest, {n: (s, d) for n, (s, d) in exp["expected"].items()}, kind=kind,
-                       forbidden=shared_name_reasons([row[0] for row in manifest], exp["shared"]))
-
     def push_weights(self, kind: WeightKind, named_tensors: dict[str, torch.Tensor], version: int) -> dict[str, Any]:
-        """Validate against engine 0's checkpoint before any engine changes, then send once and load
-        into every engine."""
-        self.check(kind, manifest_of(named_tensors))
-        return push_through(self.transport, named_tensors, version,
-                            lambda h: self.push_handle(kind, h, version, checked=True))
+        """Send once through :attr:`transport` and :meth:`push` into every engine."""
+        return push_through(self.transport, named_tensors, version, lambda h: self.push(kind, h, version))
 
-    def push_handle(self, kind: WeightKind, handle: dict, version: int | None = None, *,
-                    checked: bool = False) -> dict[str, Any]:
+    def push(self, kind: WeightKind, handle: dict, version: int | None = None) -> dict[str, Any]:
+        """Every engine loads ``handle`` (or all refuse it: :class:`WeightPushError`); returns timings."""
         import ray
 
-        if not checked:
-            try:
-                self.check(kind, handle["manifest"])
-            except ValueError:  # WeightPushError, or a bad kind
-                if handle.get("transport") == "nccl":
-                    # the trainer is already broadcasting: every engine takes the bytes and drops
-                    # them, so that the sender finishes and the group stays in step
-                    ray.get([a.drain.remote(handle) for a in self.actors])
-                raise
         version = int(handle.get("version", 0) if version is None else version)
         t0 = time.perf_counter()
-        refs = [a.push_handle.remote(kind, handle, version) for a in self.actors]
+        refs = [a.push.remote(kind, handle, version) for a in self.actors]
         if self.placement is not None:  # a dead node fails the push at once (its engines never answer)
             pending = list(refs)
             while pending:
@@ -527,8 +468,8 @@ class RolloutGroup(GenerationBackend):
         ``NcclBroadcastTransport.connect()`` concurrently. Engine ``e`` takes ranks
         ``first_rank + e * tensor_parallel_size`` onwards (vLLM adds each worker's rank within
         the engine). ``wire`` (packing, buffer sizes) must be the sender's: default
-        :func:`~cotrain.rl.weight_transport.nccl_wire`, as ``NcclBroadcastTransport``'s."""
-        from cotrain.rl.weight_transport import nccl_wire
+        :func:`~cotrain.weights.transports.nccl.nccl_wire`, as ``NcclBroadcastTransport``'s."""
+        from cotrain.weights.transports.nccl import nccl_wire
 
         tp = self.spec.tensor_parallel_size
         need = first_rank + self.num_engines * tp
@@ -560,17 +501,6 @@ class RolloutGroup(GenerationBackend):
             except Exception:  # noqa: BLE001 - its node is gone
                 pass
         self.actors = []
-
-
-def _require_drafter(speculative) -> None:
-    """A draft push needs a drafter network (not off, not ``ngram``)."""
-    if not speculative:
-        raise WeightPushError("draft push into an engine without speculative decoding (set "
-                              "rollout.speculative.method to a drafter method: draft_model, eagle3, dflash, ...)")
-    method = speculative.get("method") if isinstance(speculative, dict) else getattr(speculative, "method", None)
-    if method in ("ngram", "suffix"):
-        raise WeightPushError(f"draft push into an engine whose speculative method {method!r} has no drafter "
-                              "weights (allowed: draft_model, eagle3, dflash, ...)")
 
 
 def _unwrap(e: Exception) -> str:

@@ -422,16 +422,19 @@ class MegatronPolicyWorker:
         return d.embed_weight.clone(), d.target_lm_head.clone()
 
     def export(self, kind: str, version: int, transport_name: str) -> dict | None:
-        """Publish the full policy or the drafter through a weight transport; the handle on rank 0."""
+        """Publish the full policy or the drafter through a weight transport; the handle on rank 0.
+        Every rank calls it; ``cuda_ipc`` takes every rank (a copy on each engine GPU from the trainer
+        rank there: :meth:`~cotrain.weights.transports.cuda_ipc.CudaIpcTransport.send_collective`)."""
         state = self.full_policy_state() if kind == "policy" else self.full_draft_state()
-        if state is None:
-            return None
-        if getattr(self, "_transport", None) is None:
-            from cotrain.rl.weight_transport import make_transport
+        if getattr(self, "_transport", None) is None and (state is not None or transport_name == "cuda_ipc"):
+            from cotrain.weights import make_transport
 
             # kept for the run: CUDA IPC exports stay valid only while the sender holds the tensors
-            self._transport = make_transport(transport_name)
-        return self._transport.send(state, version)
+            extra = {"engine_gpus": getattr(self, "_engine_gpus", None)} if transport_name == "cuda_ipc" else {}
+            self._transport = make_transport(transport_name, **extra)
+        if transport_name == "cuda_ipc":
+            return self._transport.send_collective(state, version)
+        return None if state is None else self._transport.send(state, version)
 
     def export_draft_dir(self, path: str) -> str | None:
         """Write the drafter in vLLM's format to ``path`` (the engines' initial drafter); the holder writes."""
@@ -445,14 +448,20 @@ class MegatronPolicyWorker:
         join concurrently through ``RolloutGroup.init_broadcast_group``)."""
         if self.rank != 0:
             return
-        from cotrain.rl.weight_transport import NcclBroadcastTransport
+        from cotrain.weights.transports.nccl import NcclBroadcastTransport
 
         self._transport = NcclBroadcastTransport(master_addr, master_port, 0, world_size)
         self._transport.connect()
 
+    def connect_engine_gpus(self, gpus: list[str]) -> None:
+        """Every rank: the GPU UUIDs of every engine worker (``RolloutGroup.gpus``), which each
+        ``cuda_ipc`` export must cover (a GPU no trainer rank sits on is an error naming it)."""
+        self._engine_gpus = list(gpus) or None
+        self._transport = None
+
     def release_export(self, handle: dict) -> None:
-        """Free an exported handle once every engine has loaded it (rank 0 holds it)."""
-        if self.rank == 0:
+        """Free an exported handle once every engine has loaded it (every rank may hold a copy)."""
+        if getattr(self, "_transport", None) is not None:
             self._transport.release(handle)
 
     def save_checkpoint(self, directory: str) -> None:

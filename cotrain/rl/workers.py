@@ -144,7 +144,11 @@ class TrainerGroup(TrainingBackend):
     def connect(self, rollout) -> None:
         """The ``nccl`` weight transport: trainer rank 0 plus every engine worker of ``rollout`` (a
         :class:`~cotrain.rl.rollout.RolloutGroup`) in one dedicated broadcast group, both sides
-        joining concurrently. Nothing to set up for the other transports."""
+        joining concurrently. ``cuda_ipc``: every rank learns the engines' GPU UUIDs (each export
+        must cover them). Nothing to set up for the other transports."""
+        if self.cfg.rollout.weight_transport == "cuda_ipc":
+            self._all("connect_engine_gpus", list(getattr(rollout, "gpus", None) or []))
+            return
         if self.cfg.rollout.weight_transport != "nccl":
             return
         addr, port = ray.get(self.actors[0].rendezvous_address.remote())
@@ -153,7 +157,7 @@ class TrainerGroup(TrainingBackend):
         ray.get([self.actors[0].call.remote("connect_weight_broadcast", addr, port, world), *engine_refs])
 
     def release_export(self, handle: dict) -> None:
-        ray.get(self.actors[0].call.remote("release_export", handle))
+        self._all("release_export", handle)  # cuda_ipc: every rank on an engine GPU holds a copy
 
     def save_checkpoint(self, directory: str) -> None:
         self._all("save_checkpoint", str(directory))

@@ -25,7 +25,7 @@ def _texts(result) -> list[str]:
 
 def test_a_colocated_engine_sleeps_off_the_device_and_wakes_up_the_same(tiny_model_path):
     from cotrain.rl.rollout import EngineSpec, VllmGeneration
-    from cotrain.rl.weight_transport import CudaIpcTransport
+    from cotrain.weights.transports.cuda_ipc import CudaIpcTransport
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

@@ -23,7 +23,7 @@ from cotrain.rl.interfaces import (
     TrainingBackend,
     WorkerFactory,
 )
-from cotrain.rl.weight_transport import WeightPushError
+from cotrain.weights import WeightPushError
 
 ROOT = Path(__file__).resolve().parents[2]
 P, G, STEPS, PUSH_EVERY = 4, 4, 4, 2
@@ -55,7 +55,7 @@ class FakeRollout(GenerationBackend):
             samples.append(row)
         return GenerationResult(samples, {"tokens_per_s": 1.0})
 
-    def push_handle(self, kind, handle, version):
+    def push(self, kind, handle, version):
         self.log.append(("push", kind, handle["id"], version))
         if kind == "policy" and version in self.fail_policy:
             raise RuntimeError(f"engine lost during the policy push of version {version}")

@@ -16,7 +16,7 @@ import torch
 from _rollout_helpers import load_hf, make_dflash_drafter, start_ray, stop_ray
 from cotrain.models.build_tiny import greedy_answers
 from cotrain.rl.interfaces import SamplingSpec
-from cotrain.rl.weight_transport import WeightPushError
+from cotrain.weights import WeightPushError
 
 pytestmark = pytest.mark.slow
 

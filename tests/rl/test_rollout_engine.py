@@ -20,7 +20,7 @@ import torch
 from _rollout_helpers import load_hf, random_policy_state, start_ray, stop_ray, token_logprobs
 from cotrain.models.build_tiny import greedy_answers
 from cotrain.rl.interfaces import SamplingSpec
-from cotrain.rl.weight_transport import WeightPushError
+from cotrain.weights import WeightPushError
 
 pytestmark = pytest.mark.slow
 

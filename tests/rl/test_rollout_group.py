@@ -32,7 +32,7 @@ from _rollout_helpers import (
 )
 from cotrain.models.build_tiny import greedy_answers
 from cotrain.rl.interfaces import SamplingSpec
-from cotrain.rl.weight_transport import WeightPushError
+from cotrain.weights import WeightPushError
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,7 @@ import pytest
 from _rollout_helpers import load_hf, random_policy_state, start_ray, stop_ray
 from cotrain.models.build_tiny import greedy_answers
 from cotrain.rl.interfaces import SamplingSpec
-from cotrain.rl.weight_transport import WeightPushError
+from cotrain.weights import WeightPushError
 
 SUFFIX = ["rollout.speculative.method=suffix", "rollout.speculative.num_speculative_tokens=6",
           "rollout.speculative.suffix.max_tree_depth=20", "rollout.speculative.suffix.max_spec_factor=2.0",

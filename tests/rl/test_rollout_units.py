@@ -11,15 +11,8 @@ import os
 import pytest
 import torch
 
-from cotrain.rl.weight_transport import (
-    ShmTransport,
-    WeightPushError,
-    check_manifest,
-    make_transport,
-    manifest_of,
-    receiver_for,
-    resolve_transport_name,
-)
+from cotrain.weights import WeightPushError, check_manifest, make_transport, manifest_of, receiver_for, resolve_transport_name
+from cotrain.weights.transports.shm import ShmTransport
 
 
 def _weights() -> dict[str, torch.Tensor]:
@@ -101,7 +94,7 @@ def test_check_manifest_forbidden_names():
 
 def test_shared_with_target_is_by_identity():
     from cotrain.rl.vllm.manifest import shared_with_target
-    from cotrain.rl.weight_transport import shared_name_reasons
+    from cotrain.weights import shared_name_reasons
 
     target = torch.nn.Module()
     target.lm_head = torch.nn.Linear(4, 4)
@@ -214,7 +207,7 @@ def test_engine_memory_defaults_are_the_configs(monkeypatch):
 
 
 def test_push_through_releases_whatever_the_load_does():
-    from cotrain.rl.weight_transport import WeightPushError, WeightTransport, push_through
+    from cotrain.weights import WeightPushError, WeightTransport, push_through
 
     class Recording(WeightTransport):
         name = "rec"
@@ -246,10 +239,10 @@ def test_push_through_releases_whatever_the_load_does():
 
 
 def test_draft_pushes_need_a_drafter_network():
-    from cotrain.rl.rollout import _require_drafter
+    from cotrain.rl.vllm.client import require_drafter
 
-    _require_drafter({"method": "draft_model", "model": "/d"})
+    require_drafter({"method": "draft_model", "model": "/d"})
     with pytest.raises(WeightPushError, match="without speculative decoding"):
-        _require_drafter(None)
+        require_drafter(None)
     with pytest.raises(WeightPushError, match="'ngram' has no drafter weights"):
-        _require_drafter({"method": "ngram"})
+        require_drafter({"method": "ngram"})

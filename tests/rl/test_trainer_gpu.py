@@ -56,7 +56,7 @@ def test_trainer_export_reaches_a_colocated_engine(ray_gpu, tiny_model_path):
         handle = trainer.export("policy", 1)  # rollout.weight_transport: cuda_ipc (colocated)
         assert handle["transport"] == "cuda_ipc" and "update_info" in handle
         try:
-            engines.push_handle("policy", handle, 1)
+            engines.push("policy", handle, 1)
         finally:
             trainer.release_export(handle)
         assert engines.weight_version() == 1

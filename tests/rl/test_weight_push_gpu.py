@@ -19,7 +19,7 @@ import torch
 from _rollout_helpers import load_hf, random_policy_state, start_ray, stop_ray
 from cotrain.models.build_tiny import greedy_answers
 from cotrain.rl.interfaces import SamplingSpec
-from cotrain.rl.weight_transport import WeightPushError
+from cotrain.weights import WeightPushError
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -51,7 +51,7 @@ def hf(tiny_model_path):
 @pytest.fixture(scope="module")
 def engine(tiny_model_path):
     from cotrain.rl.rollout import VllmGeneration
-    from cotrain.rl.weight_transport import CudaIpcTransport
+    from cotrain.weights.transports.cuda_ipc import CudaIpcTransport
 
     gen = VllmGeneration(_spec(tiny_model_path), transport=CudaIpcTransport())
     yield gen
@@ -109,7 +109,7 @@ def test_nccl_push_through_a_rollout_group(tiny_model_path, hf):
 
     from cotrain.distributed import find_free_port
     from cotrain.rl.rollout import RolloutGroup
-    from cotrain.rl.weight_transport import NcclBroadcastTransport
+    from cotrain.weights.transports.nccl import NcclBroadcastTransport
 
     model, tok = hf
     started = start_ray()
@@ -129,7 +129,7 @@ def test_nccl_push_through_a_rollout_group(tiny_model_path, hf):
         def push(kind, state, version):
             h = sender.send(_cuda(state, dev), version)
             try:
-                return group.push_handle(kind, h, version)
+                return group.push(kind, h, version)
             finally:
                 sender.release(h)  # returns once every engine took the bytes (loaded or drained)
 

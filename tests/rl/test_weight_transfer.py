@@ -3,44 +3,38 @@
 The bytes of ``cuda_ipc`` and ``nccl`` pushes are moved by vLLM's weight-transfer engines
 (``vllm.distributed.weight_transfer``), which need CUDA; what cotrain adds around them runs here:
 
-* sender (``_VllmSender``): the trainer engine runs in a background thread, vLLM's update payload
+* the ``nccl`` sender: vLLM's trainer engine runs in a background thread, its update payload
   comes back in the handle, ``release`` ends the round trip and reports its errors, one push at
   a time;
-* engine (``CotrainWeightTransferEngine``): validation before anything moves, vLLM's worker
-  engine pointed at the model being updated, a rejected ``nccl`` push drained (the broadcast
-  group stays in step), an incomplete delivery refused;
-* clients (``VllmGeneration`` / ``cotrain.rl.vllm.client.push_handle``): a push refused before it reaches the
-  worker still drains an ``nccl`` broadcast.
+* engine (``CotrainWeightTransferEngine`` over ``cotrain.weights.vllm_receiver``): the one check
+  before anything moves, vLLM's worker engine pointed at the model being updated, a rejected
+  ``nccl`` push drained (the broadcast group stays in step), an incomplete delivery refused;
+* the engine's push (``VllmGeneration.push`` / ``cotrain.rl.vllm.client.push``): a push refused
+  before it reaches the worker still drains an ``nccl`` broadcast.
 
-The real engines run in test_weight_push_gpu.py (``gpu``). Also here: the CPU ``object_store`` transport
-(several nodes) on a local Ray.
+The real engines run in test_weight_push_gpu.py (``gpu``); the ``cuda_ipc`` sender and its handle
+set in tests/weights/test_cuda_ipc.py. Also here: the CPU ``object_store`` transport (several
+nodes) on a local Ray.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from cotrain.rl.vllm import client
-from cotrain.rl.weight_transport import (
-    CudaIpcTransport,
-    NcclBroadcastTransport,
-    WeightPushError,
-    _VllmSender,
-    check_vllm_handle,
-    manifest_of,
-    restore_update_info,
-    update_info_manifest,
-)
+from cotrain.weights import WeightPushError, check_vllm_handle, manifest_of, update_info_manifest
+from cotrain.weights.transports.cuda_ipc import CudaIpcTransport
+from cotrain.weights.transports.nccl import NcclBroadcastTransport
 
 pytest.importorskip("vllm")
 from vllm.distributed.weight_transfer.clients import _json_safe_update_info  # noqa: E402
 
 from cotrain.rl.vllm import transfer_backend  # noqa: E402
+from cotrain.weights import vllm_receiver  # noqa: E402
 
 
 def _weights(scale: float = 1.0) -> dict[str, torch.Tensor]:
@@ -81,26 +75,8 @@ class FakeNcclTrainerEngine:
         self.shut = True
 
 
-class FakeIpcTrainerEngine:
-    """Shaped like vLLM's IPCTrainerWeightTransferEngine.send_weights: refs live until the
-    client's update_weights returns (cotrain's client holds it open until release)."""
-
-    def __init__(self) -> None:
-        self.client = self.source = None
-        self.alive: list = []
-
-    def send_weights(self) -> None:
-        refs = [t for _, t in self.source]
-        self.alive.append(refs)
-        self.client.start_weight_update()
-        self.client.update_weights({**_payload(dict(self.source)), "ipc_handles": [{"uuid": ("args",)}] * len(refs)})
-        self.client.finish_weight_update()
-        self.alive.remove(refs)
-
-
 def _sender(cls, engine):
-    t = cls.__new__(cls)
-    _VllmSender.__init__(t, device="cpu", timeout_s=20)  # a CPU "device" only with a stand-in engine
+    t = cls("127.0.0.1", 1, 0, 2, wire={}, device="cpu", timeout_s=20)  # a CPU "device" only with a stand-in engine
     t._engine = engine
     return t
 
@@ -141,20 +117,6 @@ def test_nccl_sender_release_times_out_when_nobody_receives():
     eng.receivers.release()
     t.timeout_s = 20
     t.release(h)
-
-
-def test_ipc_sender_keeps_the_tensors_alive_until_release():
-    eng = FakeIpcTrainerEngine()
-    t = _sender(CudaIpcTransport, eng)
-    h = t.send(_weights(), 4)
-    assert h["transport"] == "cuda_ipc" and h["manifest"] == manifest_of(_weights())
-    # IPC rebuild arguments travel pickled (vLLM's msgpack channel to its engine core refuses them)
-    assert "ipc_handles" not in h["update_info"] and isinstance(h["update_info"]["ipc_handles_pickled"], str)
-    assert restore_update_info(h["update_info"])["ipc_handles"] == [{"uuid": ("args",)}] * 2
-    time.sleep(0.05)
-    assert len(eng.alive) == 1  # the engines may still be mapping them
-    t.release(h)
-    assert eng.alive == []
 
 
 def test_sender_errors_before_the_payload_surface_in_send():
@@ -274,7 +236,7 @@ def engine(tmp_path, monkeypatch):
         return e
 
     reloads: list = []
-    monkeypatch.setattr(transfer_backend, "_make_vllm_engine", make)
+    monkeypatch.setattr(vllm_receiver, "_make_vllm_engine", make)
     monkeypatch.setattr(transfer_backend, "_reload_api", lambda: (lambda m: reloads.append("init"),
                                                                   lambda m, c: reloads.append("finalize")))
     cls = transfer_backend.CotrainWeightTransferEngine
@@ -377,15 +339,15 @@ def test_pushes_refused_before_the_worker_still_drain_a_broadcast():
     h = _handle("nccl", _weights())
     gen = VllmGeneration(llm=FakeLLM(speculative=None))
     with pytest.raises(WeightPushError, match="without speculative decoding"):
-        gen.push_handle("draft", h, 1)
+        gen.push("draft", h, 1)
     assert gen.llm.rpcs == [("cotrain_drain", (h,))]
     llm = FakeLLM(start_fails=True)
     with pytest.raises(WeightPushError, match="could not start: a weight update is already in progress"):
-        client.push_handle(llm, "policy", h, 1)
+        client.push(llm, "policy", h, 1)
     assert llm.rpcs == [("cotrain_drain", (h,))]
     llm = FakeLLM(start_fails=True)
     with pytest.raises(WeightPushError, match="could not start"):
-        client.push_handle(llm, "policy", dict(h, transport="cuda_ipc"), 1)
+        client.push(llm, "policy", dict(h, transport="cuda_ipc"), 1)
     assert llm.rpcs == []  # IPC leaves nothing in flight
 
 
@@ -399,7 +361,8 @@ def test_object_store_push_is_shm_on_the_senders_node_and_relayed_elsewhere():
 
     import ray
 
-    from cotrain.rl.weight_transport import ObjectStoreTransport, ShmTransport, localize_handle
+    from cotrain.weights.transports.object_store import ObjectStoreTransport, localize_handle
+    from cotrain.weights.transports.shm import ShmTransport
 
     started = not ray.is_initialized()
     if started:

@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from cotrain.rl.weight_transport import WeightPushError
+from cotrain.weights.checks import WeightPushError
 
 KV_NAME = re.compile(r"(?:^|\.)(?:layers\.(\d+)|midlayer)\.self_attn\.([kv])_proj\.(weight|bias)$")
 

@@ -25,23 +25,21 @@ class CotrainWorkerExtension:
         return {"pid": os.getpid(), "sampler_fix": cpu_rejection_sampler_fixed(),
                 "backend": type(eng).__name__ if eng is not None else None,
                 "pushes": getattr(eng, "pushes", 0), "last_push": getattr(eng, "last_push", {}),
+                "gpu_uuid": self.cotrain_gpu_uuid(),
                 "has_draft": self.get_draft_model() is not None,  # type: ignore[attr-defined]
                 "draft_class": type(self.get_draft_model()).__name__  # type: ignore[attr-defined]
                 if self.get_draft_model() is not None else None}  # type: ignore[attr-defined]
 
-    def cotrain_expected_manifest(self, kind: str = "policy") -> dict[str, Any]:
-        """What a push of ``kind`` must carry: ``{"expected": {name: [shape, dtype]}, "shared": [...]}``
-        (``shared``: the target modules the drafter borrows, whose names a draft push must not carry)."""
-        eng = self.weight_transfer_engine  # type: ignore[attr-defined]
-        if kind == "draft":
-            self._set_draft_weight_update_target()  # type: ignore[attr-defined]
-        try:
-            exp, shared = eng.expected()
-        finally:
-            eng.reset_weight_update_target()
-        return {"expected": {n: [s, d] for n, (s, d) in exp.items()}, "shared": sorted(shared)}
+    def cotrain_gpu_uuid(self) -> str | None:
+        """The UUID of this worker's GPU (None on CPU): the GPU a ``cuda_ipc`` push must reach."""
+        dev = getattr(self, "device", None)
+        if dev is None or getattr(dev, "type", None) != "cuda":
+            return None
+        import torch
+
+        return str(torch.cuda.get_device_properties(dev).uuid)
 
     def cotrain_drain(self, handle: dict) -> None:
         """Receive and drop an ``nccl`` push this engine will not load (see
-        :func:`cotrain.rl.vllm.client.drain_broadcast`)."""
+        :func:`cotrain.rl.vllm.client.drain`)."""
         self.weight_transfer_engine.drain(handle)  # type: ignore[attr-defined]

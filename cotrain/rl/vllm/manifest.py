@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from cotrain.rl.weight_transport import SHARED_KEYS, WeightPushError
+from cotrain.weights.checks import SHARED_KEYS, WeightPushError
 
 
 def checkpoint_manifest(path: str | os.PathLike) -> dict[str, tuple[list[int], str]]:
