@@ -20,8 +20,9 @@ The rules (docs/multinode.md):
   ``min(cpus_per_node // cpus_per_worker, gpus_per_node on cuda)`` ranks; a TP x CP group larger than
   that is refused, naming the group that would straddle.
 - Engines go to their nodes in contiguous blocks, spread evenly; an engine's GPUs are on one node.
-  Colocated engines (``rollout.colocate``) run on the trainers' nodes, next to the ranks, outside
-  the placement group (their resources are counted as validation always did: each side must fit).
+- Colocated engines (``rollout.colocate``, cuda) share the trainers' GPU bundles, the way NeMo-RL
+  and verl colocate (one bundle = one GPU, shared by fractional Ray requests, so Ray gives both
+  actors of a bundle the same physical GPU in CUDA_VISIBLE_DEVICES). See :func:`colocated_plan`.
 - The co-trained drafter lives on the last pipeline stage's ranks (wherever those are).
 - Nodes are taken from the Ray cluster in this order: the driver's node first (when it has the
   resources), then by address and node id.
@@ -36,6 +37,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 Issue = tuple[str, str]
+
+#: Ray's GPU share of one colocated engine worker on its GPU (the trainer rank there takes the rest).
+#: Ray does not police memory: the shares only have to add up to the bundle's one GPU, so that both
+#: actors get that GPU and nothing else is scheduled onto it; memory is split by vLLM's
+#: ``rollout.gpu_memory_utilization`` (the engine's part of the device), the trainer has the rest.
+#: Half and half, as NeMo-RL and verl do for two colocated worker groups (1 / max_colocate_count).
+COLOCATED_ENGINE_GPU_SHARE = 0.5
 
 
 # ------------------------------------------------------------------------------------- the layout
@@ -56,6 +64,11 @@ class NodeLayout:
     cp: int = 1
     dp: int = 1
     pp: int = 1
+    # colocated (cuda) only: worker i of engine e runs on the GPU of trainer rank engine_bundles[e][i]
+    engine_bundles: tuple[tuple[int, ...], ...] = ()
+    engine_gpu_share: float = 0.0  # Ray GPUs of one colocated engine worker (the rank there: 1 - this)
+    engine_cpus: float = 0.0  # Ray CPUs of one colocated engine actor
+    gpu_memory_utilization: float | None = None  # the engines' part of each shared GPU's memory
 
     @property
     def world_size(self) -> int:
@@ -70,16 +83,91 @@ class NodeLayout:
     def engines_on(self, node: int) -> list[int]:
         return [e for e, n in enumerate(self.engine_node) if n == node]
 
+    @property
+    def shared(self) -> bool:
+        """Colocated on GPUs: engines inside the trainers' bundles (:func:`colocated_plan`)."""
+        return bool(self.engine_bundles)
+
+    def leader_of(self, rank: int) -> int | None:
+        """The colocated engine whose actor sits in ``rank``'s bundle (its first GPU), or None."""
+        return next((e for e, b in enumerate(self.engine_bundles) if b[0] == rank), None)
+
+    def bundles(self) -> list[tuple[dict, int]]:
+        """``(resources, node)`` of every bundle of the run's placement group, in order: one per
+        trainer rank (bundle ``r`` = rank ``r``), then one per engine unless colocated. A shared
+        bundle holding an engine's actor has ``max(cpus_per_worker, cpus_per_engine)`` CPUs: the
+        rank and the engine take turns on its CPUs as on its GPU (split like the GPU in Ray's books)."""
+        out = []
+        for r, n in enumerate(self.rank_node):
+            b = dict(self.rank_bundle)
+            if self.shared and self.leader_of(r) is not None:
+                b["CPU"] = max(b["CPU"], self.engine_cpus)
+            out.append((b, n))
+        if not self.colocate:
+            out += [(dict(self.engine_bundle), n) for n in self.engine_node]
+        return out
+
     def node_demand(self, node: int) -> dict[str, float]:
         """Resources the placement group reserves on ``node``."""
         out: dict[str, float] = {}
-        bundles = [self.rank_bundle] * len(self.ranks_on(node))
-        if not self.colocate:
-            bundles += [self.engine_bundle] * len(self.engines_on(node))
-        for b in bundles:
-            for k, v in b.items():
-                out[k] = out.get(k, 0.0) + v
+        for b, n in self.bundles():
+            if n == node:
+                for k, v in b.items():
+                    out[k] = out.get(k, 0.0) + v
         return out
+
+    def trainer_resources(self, rank: int) -> dict[str, float]:
+        """``num_cpus`` / ``num_gpus`` of rank ``rank``'s actor: its bundle, less a colocated engine's share."""
+        b = self.bundles()[rank][0]
+        gpus, cpus = b.get("GPU", 0.0), b["CPU"]
+        if self.shared:
+            share = self.engine_gpu_share
+            gpus = 1.0 - share
+            if self.leader_of(rank) is not None:
+                cpus = cpus * (1.0 - share)
+        return {"num_cpus": cpus, "num_gpus": gpus}
+
+    def engine_resources(self, engine: int) -> dict[str, float]:
+        """``num_cpus`` / ``num_gpus`` of engine ``engine``'s actor. Colocated at TP = 1 the actor is
+        the engine's one worker (the GPU share of its bundle); at TP > 1 it takes no GPU and vLLM's
+        Ray executor starts the TP workers in the engine's bundles (:meth:`engine_env`)."""
+        if not self.shared:
+            return {"num_cpus": self.engine_bundle.get("CPU", 0.0), "num_gpus": self.engine_bundle.get("GPU", 0.0)}
+        lead = self.bundles()[self.engine_bundles[engine][0]][0]
+        share = self.engine_gpu_share
+        return {"num_cpus": lead["CPU"] * share, "num_gpus": share if len(self.engine_bundles[engine]) == 1 else 0.0}
+
+    def engine_env(self, engine: int) -> dict[str, str]:
+        """Environment of a colocated TP > 1 engine's actor: vLLM's Ray executor
+        (``RayDistributedExecutor._init_workers_ray``) starts worker ``i`` in bundle
+        ``VLLM_RAY_BUNDLE_INDICES[i]`` of the actor's own placement group
+        (``ray.util.get_current_placement_group()``, which ``EngineArgs`` hands to the engine core)
+        with ``num_gpus = VLLM_RAY_PER_WORKER_GPUS``: the engine's share of each trainer rank's GPU.
+        Empty otherwise."""
+        if not self.shared or len(self.engine_bundles[engine]) == 1:
+            return {}
+        return {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, self.engine_bundles[engine])),
+                "VLLM_RAY_PER_WORKER_GPUS": repr(self.engine_gpu_share)}
+
+    def describe_gpus(self) -> str:
+        """Colocated: who shares which bundle (GPU), with Ray's shares and the memory split."""
+        if not self.shared:
+            return ""
+        u = self.gpu_memory_utilization
+        mem = (f"memory: engine {u:g} of the device (rollout.gpu_memory_utilization), trainer the rest"
+               if u is not None else "memory: engine by rollout.kv_cache_memory_bytes, trainer the rest")
+        lines = []
+        for r, n in enumerate(self.rank_node):
+            tr = self.trainer_resources(r)
+            what = [f"trainer rank {r} ({tr['num_gpus']:g} GPU, {tr['num_cpus']:g} CPU)"]
+            for e, bs in enumerate(self.engine_bundles):
+                if r in bs:
+                    i = bs.index(r)
+                    who = "actor + worker" if len(bs) == 1 else ("actor, worker" if i == 0 else "worker")
+                    what.append(f"engine {e} {who} {i} ({self.engine_gpu_share:g} GPU"
+                                + (f", {self.engine_resources(e)['num_cpus']:g} CPU" if i == 0 else "") + ")")
+            lines.append(f"bundle {r} (node {n}, one GPU): " + " + ".join(what))
+        return "\n".join(lines + [mem])
 
     def describe(self, labels: list[str] | None = None) -> str:
         lines = []
@@ -180,12 +268,73 @@ def layout_issues(cfg, *, cpus_per_node: float | None = None, gpus_per_node: flo
                            f"{[room[n] for n in engine_hosts]} engine(s) (allowed: at most {most} engines, "
                            "cluster.engine_nodes > 0, or larger nodes)"))
             return None, issues
-    else:
+    shared: dict = {}
+    if r.colocate and cuda:
+        engine_node, bundles, issues = colocated_plan(rank_node, E, r.tensor_parallel, gpe, node["CPU"],
+                                                      pol.cpus_per_worker, r.cpus_per_engine)
+        if issues:
+            return None, issues
+        shared = dict(engine_bundles=bundles, engine_gpu_share=gpe / r.tensor_parallel,
+                      engine_cpus=float(r.cpus_per_engine), gpu_memory_utilization=r.gpu_memory_utilization)
+    elif r.colocate:  # refused on cpu by validation (vLLM's CPU backend has no sleep mode)
         hosts = sorted(set(rank_node))
         engine_node = _spread(E, hosts, {n: 1 << 30 for n in hosts}) or ()
     return NodeLayout(num_nodes=N, trainer_nodes=T, engine_nodes=En, rank_node=rank_node, engine_node=engine_node,
                       ranks_per_node=k, rank_bundle=rank_b, engine_bundle={} if r.colocate else engine_b,
-                      colocate=bool(r.colocate), tp=tp, cp=cp, dp=dp, pp=pp), []
+                      colocate=bool(r.colocate), tp=tp, cp=cp, dp=dp, pp=pp, **shared), []
+
+
+def colocated_plan(rank_node: tuple[int, ...], num_engines: int, tp: int, gpus_per_engine: float,
+                   cpus_per_node: float, cpus_per_worker: float, cpus_per_engine: float
+                   ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...], list[Issue]]:
+    """Where colocated engines run: ``(engine_node, engine_bundles, issues)``, a pure function of the
+    trainer ranks' nodes and the rollout numbers.
+
+    Every trainer rank's bundle is one GPU. Engines are spread evenly over the trainer nodes (as
+    :func:`_spread` spreads them), and the ``j``-th engine of a node takes the GPUs of that node's
+    ranks ``j*tp .. j*tp + tp - 1`` (in rank order): worker ``i`` of the engine on the bundle of
+    its ``i``-th rank, the engine's actor in the first. On each such GPU the engine worker asks Ray
+    for ``gpus_per_engine / tp`` of the GPU and the rank for the rest, so both are given that GPU.
+    Refused (issues naming the keys and numbers): more engine workers than trainer GPUs, a share
+    that is not strictly between 0 and 1, a node whose ranks cannot hold its engines' GPUs, or
+    a node whose CPUs cannot hold its ranks and engine actors."""
+    W, E = len(rank_node), num_engines
+    share = gpus_per_engine / tp
+    if not 0 < share < 1:
+        return (), (), [("rollout.gpus_per_engine", f"{gpus_per_engine:g} GPUs over rollout.tensor_parallel={tp} "
+                         f"workers is {share:g} of each GPU: a colocated engine worker shares its GPU with a trainer "
+                         f"rank, whose share is 1 - {share:g} (allowed: 0 < gpus_per_engine < {tp}, default "
+                         f"{COLOCATED_ENGINE_GPU_SHARE * tp:g}; or rollout.colocate=false)")]
+    if E * tp > W:
+        return (), (), [("rollout.num_engines", f"{E} colocated engines x rollout.tensor_parallel={tp} GPUs = {E * tp} "
+                         f"exceed the {W} GPUs of the trainer ranks, which colocated engines share (allowed: at most "
+                         f"{W // tp} engines, a smaller rollout.tensor_parallel, or rollout.colocate=false)")]
+    hosts = sorted(set(rank_node))
+    ranks = {n: [rk for rk, m in enumerate(rank_node) if m == n] for n in hosts}
+    room = {n: len(ranks[n]) // tp for n in hosts}
+    engine_node = _spread(E, hosts, room)
+    if engine_node is None:
+        most = max((e for e in range(E + 1) if _spread(e, hosts, room) is not None), default=0)
+        return (), (), [("rollout.num_engines", f"{E} colocated engines of rollout.tensor_parallel={tp} GPUs spread "
+                         f"evenly over the trainer nodes {_span(hosts)} do not fit: an engine's GPUs are on one node, "
+                         f"and the nodes hold {[len(ranks[n]) for n in hosts]} trainer GPU(s), room for "
+                         f"{[room[n] for n in hosts]} engine(s) (allowed: at most {most} engines)")]
+    bundles, taken = [], {n: 0 for n in hosts}
+    for n in engine_node:
+        j = taken[n]
+        bundles.append(tuple(ranks[n][j * tp:(j + 1) * tp]))
+        taken[n] += 1
+    for n in hosts:
+        leaders = taken[n]
+        need = (len(ranks[n]) - leaders) * cpus_per_worker + leaders * max(cpus_per_worker, cpus_per_engine)
+        if need > cpus_per_node + 1e-9:
+            return (), (), [("rollout.cpus_per_engine", f"node {n} holds {len(ranks[n])} trainer rank(s) of "
+                             f"policy.cpus_per_worker={cpus_per_worker:g} CPUs and {leaders} colocated engine(s) of "
+                             f"rollout.cpus_per_engine={cpus_per_engine:g} CPUs (a rank and the engine whose actor shares "
+                             f"its GPU take turns on max of the two): {need:g} CPUs exceed "
+                             f"cluster.cpus_per_node={cpus_per_node:g} (allowed: fewer CPUs per engine or worker, or "
+                             "larger nodes)")]
+    return tuple(engine_node), tuple(bundles), []
 
 
 def _straddling_group(tp: int, cp: int, cap: int) -> tuple[str, list[int]]:
@@ -283,15 +432,9 @@ class ClusterPlacement:
         self.node_ids = [n["NodeID"] for n in self.nodes]
         self.addresses = [(n["NodeManagerAddress"], int(n["NodeManagerPort"])) for n in self.nodes]
         L = self.layout
-        bundles, selectors = [], []
         key = _node_label_key()
-        for rank in range(L.world_size):
-            bundles.append(dict(L.rank_bundle))
-            selectors.append({key: self.node_ids[L.rank_node[rank]]})
-        if not L.colocate:
-            for e in range(len(L.engine_node)):
-                bundles.append(dict(L.engine_bundle))
-                selectors.append({key: self.node_ids[L.engine_node[e]]})
+        bundles = [b for b, _ in L.bundles()]
+        selectors = [{key: self.node_ids[n]} for _, n in L.bundles()]
         self.pg = placement_group(bundles, strategy="PACK", name=f"cotrain-{cfg.run.name}",
                                   bundle_label_selector=selectors)
         try:
@@ -300,8 +443,10 @@ class ClusterPlacement:
             remove_placement_group(self.pg)
             self.pg = None
             raise RuntimeError(f"could not reserve the run's placement group within {timeout_s:g} s ({type(e).__name__}): "
-                               f"{len(bundles)} bundles on {self.describe()} - are the nodes' resources taken by "
-                               "another job?") from None
+                               f"{len(bundles)} bundles {[_fmt_b(b) for b in bundles]} on {self.describe()}; the "
+                               f"cluster has {cluster_resources()} - are the nodes' resources taken by another "
+                               "job?") from None
+        self.start_timeout_s = timeout_s
         self._dead: dict[int, str] = {}
         self._last_probe = 0.0
 
@@ -332,8 +477,10 @@ class ClusterPlacement:
         return f"node {node} ({self.node_ids[node][:12]}, {addr})"
 
     def describe(self) -> str:
-        return self.layout.describe([self.label(n) for n in range(len(self.node_ids))] if hasattr(self, "node_ids")
+        text = self.layout.describe([self.label(n) for n in range(len(self.node_ids))] if hasattr(self, "node_ids")
                                     else None)
+        gpus = self.layout.describe_gpus()
+        return text + ("\n" + gpus if gpus else "")
 
     # -- actors
     def _strategy(self, bundle: int) -> dict:
@@ -343,15 +490,20 @@ class ClusterPlacement:
             self.pg, placement_group_bundle_index=bundle, placement_group_capture_child_tasks=False)}
 
     def trainer_options(self, rank: int) -> dict:
-        return self._strategy(rank)
+        """``.options(...)`` of rank ``rank``'s actor: its resources, in its bundle."""
+        return {**self.layout.trainer_resources(rank), **self._strategy(rank)}
 
     def engine_options(self, engine: int) -> dict:
-        if self.layout.colocate:
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        """``.options(...)`` of engine ``engine``'s actor: its resources, in its bundle (colocated: the
+        bundle of its first trainer GPU; :meth:`NodeLayout.engine_env` places its other workers)."""
+        L = self.layout
+        if L.colocate and not L.shared:
+            raise ValueError("rollout.colocate needs cluster.device=cuda")  # validation refuses it first
+        bundle = L.engine_bundles[engine][0] if L.shared else L.world_size + engine
+        return {**L.engine_resources(engine), **self._strategy(bundle)}
 
-            return {"scheduling_strategy": NodeAffinitySchedulingStrategy(self.node_ids[self.layout.engine_node[engine]],
-                                                                           soft=False)}
-        return self._strategy(self.layout.world_size + engine)
+    def engine_env(self, engine: int) -> dict[str, str]:
+        return self.layout.engine_env(engine)
 
     def node_of_rank(self, rank: int) -> str:
         return self.node_ids[self.layout.rank_node[rank]]
@@ -460,6 +612,50 @@ def _gcs_dead(node_ids: list[str]) -> dict[str, str]:
     return out
 
 
+def cluster_resources() -> str:
+    """The Ray cluster's CPUs and GPUs, available of total (for messages)."""
+    try:
+        import ray
+
+        total, free = ray.cluster_resources(), ray.available_resources()
+        return ", ".join(f"{k} {free.get(k, 0.0):g} free of {total[k]:g}" for k in ("CPU", "GPU") if k in total) or "none"
+    except Exception as e:  # noqa: BLE001 - not connected
+        return f"unknown ({type(e).__name__})"
+
+
+def _actor_started(actor) -> bool | None:
+    """Whether Ray has started ``actor``'s process (its resources were granted): the GCS actor
+    table gives a worker ``Pid`` once the actor is placed, while its ``__init__`` may still run
+    (the state stays PENDING_CREATION for both). None when the table cannot be read."""
+    try:
+        from ray._private import state
+
+        return int(state.actors(actor._actor_id.hex()).get("Pid") or 0) > 0
+    except Exception:  # noqa: BLE001 - a Ray without this table: do not guess
+        return None
+
+
+def wait_placed(actors: list, what: list[str], resources: list[dict], timeout_s: float = 120.0,
+                poll_s: float = 0.5) -> None:
+    """Return once Ray has placed every actor (started its process), or raise a RuntimeError after
+    ``timeout_s`` naming the actors it could not place, what each asked for, and the cluster's
+    resources - instead of a ``ray.get`` that waits forever for resources that never come.
+    ``what[i]`` / ``resources[i]``: a name and the ``.options`` resources of ``actors[i]``."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(range(len(actors)))
+    while pending:
+        pending = [i for i in pending if _actor_started(actors[i]) is False]
+        if not pending:
+            return
+        if time.monotonic() >= deadline:
+            asked = "; ".join(f"{what[i]} asks {_fmt_b({k: v for k, v in resources[i].items() if isinstance(v, (int, float))})}"
+                              for i in pending)
+            raise RuntimeError(f"Ray could not place {len(pending)} of {len(actors)} actors within {timeout_s:g} s: "
+                               f"{asked}; the cluster has {cluster_resources()} (another job holding them, or a "
+                               "cluster smaller than cluster.* says?)")
+        time.sleep(poll_s)
+
+
 def wait_refs(refs: list, what: str, placement: ClusterPlacement | None, poll_s: float = 1.0) -> list[Any]:
     """``ray.get(refs)``, but with a placement: a dead node of the run raises :class:`NodeDiedError`
     within about ``poll_s`` (instead of whenever Ray notices), and so does a failed call whose cause
@@ -482,5 +678,5 @@ def wait_refs(refs: list, what: str, placement: ClusterPlacement | None, poll_s:
     return ray.get(refs)
 
 
-__all__ = ["NodeLayout", "layout_issues", "node_layout", "ClusterPlacement", "NodeDiedError", "wait_refs",
-           "current_node_id"]
+__all__ = ["NodeLayout", "layout_issues", "node_layout", "colocated_plan", "ClusterPlacement", "NodeDiedError",
+           "wait_refs", "wait_placed", "current_node_id", "COLOCATED_ENGINE_GPU_SHARE"]

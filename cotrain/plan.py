@@ -177,10 +177,11 @@ class Plan:
 def placement_for(cfg, hw: Hardware, num_nodes: Optional[int] = None):
     """(the run's node layout on nodes of ``hw.gpus_per_node`` GPUs, issues). ``num_nodes``: None = the
     config's, raised to the fewest nodes that hold the ranks and engines."""
-    from cotrain.placement import layout_issues
+    from cotrain.placement import COLOCATED_ENGINE_GPU_SHARE, layout_issues
 
     r = cfg.rollout
-    gpe = r.gpus_per_engine if cfg.cluster.device == "cuda" and r.gpus_per_engine else float(r.tensor_parallel)
+    share = COLOCATED_ENGINE_GPU_SHARE if r.colocate else 1.0  # colocated: a share of each trainer GPU
+    gpe = r.gpus_per_engine if cfg.cluster.device == "cuda" and r.gpus_per_engine else share * r.tensor_parallel
     kw = dict(device="cuda", gpus_per_node=hw.gpus_per_node, cpus_per_node=float(1 << 30), gpus_per_engine=gpe)
     if num_nodes is not None:
         return layout_issues(cfg, num_nodes=num_nodes, **kw)
@@ -226,6 +227,10 @@ def make_plan(cfg, arch: Arch, hw: Hardware, num_nodes: Optional[int] = None) ->
         plan.placement = {"num_nodes": layout.num_nodes, "engine_nodes": layout.engine_nodes,
                           "ranks_per_node": layout.ranks_per_node, "rank_node": rank_node,
                           "engine_node": list(layout.engine_node)}
+        if layout.shared:  # colocated: the trainer ranks whose GPUs each engine's workers share
+            plan.placement.update(engine_gpus_of_ranks=[list(b) for b in layout.engine_bundles],
+                                  engine_gpu_share=layout.engine_gpu_share,
+                                  engine_memory_fraction=layout.gpu_memory_utilization)
     else:  # cannot be placed as the run would: number the nodes naively and say why
         rank_node = [rk // hw.gpus_per_node for rk in range(t * p * c * dp)]
         plan.notes += [f"cannot be placed: {k}: {m}" for k, m in issues]
@@ -298,6 +303,12 @@ def format_plan(plan: Plan) -> str:
             nodes.append(f"node {n}: ranks {ranks or '-'}, engines {engines or '-'}")
         lines.insert(1, f"placement ({pl['num_nodes']} node(s), {pl['ranks_per_node']} ranks per trainer node): "
                         + "; ".join(nodes))
+        if "engine_gpus_of_ranks" in pl:
+            share, mem = pl["engine_gpu_share"], pl["engine_memory_fraction"]
+            lines.insert(2, "colocated: " + "; ".join(f"engine {e} on the GPUs of ranks {rs}" for e, rs in
+                                                      enumerate(pl["engine_gpus_of_ranks"]))
+                         + f" (Ray: engine worker {share:g} + rank {1 - share:g} of each GPU; memory: engine "
+                         + (f"{mem:g} of the device, trainer the rest)" if mem is not None else "by kv_cache_memory_bytes)"))
     lines += [f"CP ring per rank and step: {plan.cp_ring_bytes_per_step:,} bytes ({plan.cp_link}), "
               f"{plan.cp_seconds_per_step:.3f} s",
               f"weight pushes per step: {plan.push_bytes_per_step:,} bytes, {plan.push_seconds_per_step:.3f} s "

@@ -141,8 +141,11 @@ def resolve(cfg: CotrainConfig, arch: ModelArch | None) -> None:
         cfg.logging.tensorboard_dir = f"{out}/tensorboard"
     if cfg.logging.mlflow.tracking_uri is None:
         cfg.logging.mlflow.tracking_uri = f"{out}/mlruns"
-    if r.gpus_per_engine is None:
-        r.gpus_per_engine = float(r.tensor_parallel) if cuda else 0.0
+    if r.gpus_per_engine is None:  # colocated: a share of each trainer GPU (cotrain.placement.colocated_plan)
+        from cotrain.placement import COLOCATED_ENGINE_GPU_SHARE
+
+        share = COLOCATED_ENGINE_GPU_SHARE if r.colocate else 1.0
+        r.gpus_per_engine = share * r.tensor_parallel if cuda else 0.0
     engine = engine_defaults(cuda, r.colocate)
     if r.enforce_eager is None:
         r.enforce_eager = engine["enforce_eager"]

@@ -196,10 +196,13 @@ class GrpoRun:
         served_draft = None
         if self.serves_cotrained_drafter:  # the engines start with the trainer's initial drafter
             served_draft = self.trainer.export_draft_dir(str(Path(cfg.run.output_dir) / "drafter_init"))
+        if cfg.rollout.colocate:  # colocated engines start (and roll out) beside offloaded trainers
+            self.trainer.offload()
         self.rollout = self.workers.rollout(self.model_path, served_draft)
         self.trainer.connect(self.rollout)
         if resume_dir is not None:
-            self.trainer.load_checkpoint(str(resume_dir))
+            with self.engines_asleep():
+                self.trainer.load_checkpoint(str(resume_dir))
             self.state = DriverState(step=saved["step"], data=saved["data"])
             self.stream.load_state(self.state.data)
             self.push("policy", version=self.state.step)  # engines serve exactly the checkpointed policy
@@ -284,14 +287,25 @@ class GrpoRun:
 
     @contextmanager
     def engines_asleep(self):
-        """Colocated engines (``rollout.colocate``) free the devices while the trainers run."""
+        """Colocated engines (``rollout.colocate``) and the trainers take turns on the GPUs:
+
+            engines.sleep() -> trainers.onload() -> (the block) -> trainers.offload() -> engines.wake_up()
+
+        and the weight push follows, engines awake. vLLM's sleep level 1 (``VllmGeneration.sleep``):
+        the served weights go to host memory, the KV cache is freed, and wake-up restores both -
+        level 2 would drop the weights, which a drafter push every ``draft.push_every`` steps leaves
+        stale in between. The trainers' offload frees their optimizer states (the weights stay on the
+        device: the push exports them); the push then needs the engines' weights back on the device.
+        Not colocated: nothing happens."""
         if not self.cfg.rollout.colocate:
             yield
             return
         self.rollout.sleep()
+        self.trainer.onload()
         try:
             yield
         finally:
+            self.trainer.offload()
             self.rollout.wake_up()
 
     def push(self, kind: str, version: int) -> None:

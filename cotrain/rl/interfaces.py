@@ -3,8 +3,8 @@
 The driver (:mod:`cotrain.rl.driver`) reaches its workers only through these interfaces:
 
 * a :class:`GenerationBackend` samples responses, loads pushed weights and, sharing the trainers'
-  GPUs (``rollout.colocate``), sleeps while they run (vLLM engines in Ray actors:
-  :class:`cotrain.rl.rollout.RolloutGroup`);
+  GPUs (``rollout.colocate``), sleeps while they run - and they offload while it runs (vLLM
+  engines in Ray actors: :class:`cotrain.rl.rollout.RolloutGroup`);
 * a :class:`TrainingBackend` recomputes log-probabilities, takes GRPO steps (with the co-trained
   drafter's step on the same forward), publishes its weights for the engines and checkpoints
   itself (Megatron-core ranks in Ray actors: :class:`cotrain.rl.workers.TrainerGroup`);
@@ -127,6 +127,16 @@ class TrainingBackend(ABC):
     @abstractmethod
     def export_draft_dir(self, path: str) -> str:
         """Write the co-trained drafter as a vLLM drafter directory (the engines' initial drafter)."""
+
+    @abstractmethod
+    def offload(self) -> None:
+        """Free the device memory the engines need while they run (``rollout.colocate``: before the
+        engines wake; the weights stay, for the push): optimizer states off the device, caches
+        emptied. A no-op on CPU."""
+
+    @abstractmethod
+    def onload(self) -> None:
+        """Take back what :meth:`offload` freed (after the engines sleep, before the log-probs)."""
 
     @abstractmethod
     def save_checkpoint(self, directory: str) -> None:

@@ -2,7 +2,8 @@
 
 :class:`RayWorkers` is the driver's default :class:`~cotrain.rl.interfaces.WorkerFactory`: it joins
 (or starts) Ray (:func:`init_ray`), reserves one placement group when the run spans several nodes
-(:class:`~cotrain.placement.ClusterPlacement`, docs/multinode.md), and builds the
+or colocates engines with the trainers on GPUs (:class:`~cotrain.placement.ClusterPlacement`,
+docs/multinode.md: colocated engines share the trainer ranks' GPU bundles), and builds the
 :class:`~cotrain.rl.workers.TrainerGroup` and the :class:`~cotrain.rl.rollout.RolloutGroup`.
 """
 
@@ -16,11 +17,12 @@ from cotrain.rl.interfaces import GenerationBackend, TrainingBackend, WorkerFact
 class RayWorkers(WorkerFactory):
     def __init__(self, cfg):
         self.cfg = cfg
-        self.placement = None  # cotrain.placement.ClusterPlacement when cluster.num_nodes > 1
+        self.placement = None  # cotrain.placement.ClusterPlacement: several nodes, or colocated
 
     def start(self) -> None:
         init_ray(self.cfg)
-        if self.cfg.cluster.num_nodes > 1:  # every rank and engine on its node (docs/multinode.md)
+        # every rank and engine on its node (docs/multinode.md); colocated: in the ranks' GPU bundles
+        if self.cfg.cluster.num_nodes > 1 or self.cfg.rollout.colocate:
             from cotrain.placement import ClusterPlacement
 
             self.placement = ClusterPlacement(self.cfg)

@@ -5,12 +5,15 @@
 actor 0's node address), calls every method on all ranks and returns the results of the ranks that
 hold them. What a rank does lives in :mod:`cotrain.rl.trainer`; this module only places and calls.
 
-Placement: without a ``placement`` (one node) Ray schedules the actors where they fit, as it
-always did. With a :class:`~cotrain.placement.ClusterPlacement` (``cluster.num_nodes > 1``) rank
-``r`` runs in bundle ``r`` of the run's placement group, on the node the layout gives it, and every
-call watches the run's nodes: a node that dies fails the call within about a second with a
+Placement: without a ``placement`` (one node, not colocated) Ray schedules the actors where they
+fit, as it always did (one GPU per rank on cuda). With a :class:`~cotrain.placement.ClusterPlacement`
+(``cluster.num_nodes > 1`` or ``rollout.colocate``) rank ``r`` runs in bundle ``r`` of the run's
+placement group with the resources the layout gives it (colocated: its share of the bundle's GPU,
+the rest is the engine worker's), on the node the layout gives it, and every call watches the run's
+nodes: a node that dies fails the call within about a second with a
 :class:`~cotrain.placement.NodeDiedError` naming it and the ranks it held. ``node_ids`` is the Ray
-node id of every rank, as reported by the ranks themselves.
+node id of every rank, as reported by the ranks themselves. Start-up fails with the ranks Ray could
+not place and the cluster's resources after ``start_timeout_s`` (never an endless wait).
 """
 
 from __future__ import annotations
@@ -60,16 +63,20 @@ class TrainerGroup(TrainingBackend):
     None (from scratch); only used with ``draft.cotrain``.
     """
 
-    def __init__(self, cfg, model_path: str, draft_init: str | None = None, placement=None):
+    def __init__(self, cfg, model_path: str, draft_init: str | None = None, placement=None,
+                 start_timeout_s: float | None = None):
+        from cotrain.placement import wait_placed
+
         self.cfg = cfg
         self.placement = placement
         n = cfg.world_size
         gpus = 1 if cfg.cluster.device == "cuda" else 0
         cpus = cfg.policy.cpus_per_worker
         self.dead: list[int] = []  # ranks whose actor died
-        self.actors = [TrainingWorker.options(num_cpus=cpus, num_gpus=gpus,
-                                              **(placement.trainer_options(r) if placement else {})).remote(cpus)
-                       for r in range(n)]
+        opts = [placement.trainer_options(r) if placement else {"num_cpus": cpus, "num_gpus": gpus} for r in range(n)]
+        self.actors = [TrainingWorker.options(**o).remote(cpus) for o in opts]
+        timeout = start_timeout_s or getattr(placement, "start_timeout_s", None) or 120.0
+        wait_placed(self.actors, [f"training rank {r}" for r in range(n)], opts, timeout)
         self.node_ids: list[str] = self._wait([a.node_id.remote() for a in self.actors], "start-up")
         addr, port = ray.get(self.actors[0].rendezvous_address.remote())
         self.infos = self._wait([a.setup.remote(cfg, str(model_path), r, n, addr, port, draft_init)
@@ -158,6 +165,14 @@ class TrainerGroup(TrainingBackend):
 
     def release_export(self, handle: dict) -> None:
         self._all("release_export", handle)  # cuda_ipc: every rank on an engine GPU holds a copy
+
+    def offload(self) -> None:
+        """Every rank frees its device memory for colocated engines (``MegatronPolicyWorker.offload``)."""
+        self._all("offload")
+
+    def onload(self) -> None:
+        """Every rank takes back what :meth:`offload` moved off the device."""
+        self._all("onload")
 
     def save_checkpoint(self, directory: str) -> None:
         self._all("save_checkpoint", str(directory))

@@ -99,6 +99,12 @@ class FakeTrainer(TrainingBackend):
     def release_export(self, handle):
         self.log.append(("release", handle["id"]))
 
+    def offload(self):
+        self.log.append(("offload",))
+
+    def onload(self):
+        self.log.append(("onload",))
+
     def export_draft_dir(self, path):
         self.log.append(("export_draft_dir",))
         return path
@@ -156,14 +162,20 @@ def _metrics(out: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
-def test_the_driver_runs_the_algorithm_in_order(tmp_path):
-    workers = FakeWorkers()
-    _run(_cfg(tmp_path), workers)
-    expected = [("export_draft_dir",), ("rollout", True), ("connect",)]
+COLOCATED = ["cluster.device=cuda", "cluster.gpus_per_node=2", "rollout.colocate=true"]
+
+
+def _expected_log(log: list, steps: int, colocated: bool) -> list:
+    """The calls of a run of ``steps`` steps, in order (the generate entries, which carry the prompts,
+    taken from ``log``). Colocated: the trainers offload before the engines start; each step the
+    engines sleep and the trainers onload around the update, then offload before the engines wake
+    and take the push."""
+    expected = [("export_draft_dir",), *([("offload",)] if colocated else []), ("rollout", True), ("connect",)]
     exports = 0
-    for step in range(1, STEPS + 1):
-        generate = [e for e in workers.log if e[0] == "generate"][step - 1]
-        expected += [generate, ("logprobs", step), ("train_step",)]
+    for step in range(1, steps + 1):
+        generate = [e for e in log if e[0] == "generate"][step - 1]
+        expected += [generate, *([("sleep",), ("onload",)] if colocated else []), ("logprobs", step), ("train_step",),
+                     *([("offload",), ("wake_up",)] if colocated else [])]
         exports += 1
         expected += _push("policy", exports, step)  # after the update, labelled with the step
         if step % PUSH_EVERY == 0:
@@ -171,7 +183,13 @@ def test_the_driver_runs_the_algorithm_in_order(tmp_path):
             expected += _push("draft", exports, step)
         if step % 2 == 0:
             expected.append(("save", f"step_{step:06d}"))
-    assert workers.log == expected
+    return expected
+
+
+def test_the_driver_runs_the_algorithm_in_order(tmp_path):
+    workers = FakeWorkers()
+    _run(_cfg(tmp_path), workers)
+    assert workers.log == _expected_log(workers.log, STEPS, colocated=False)
     # every step's rollouts are sampled with the per-step seed, group_size samples of prompts_per_step prompts
     gens = [e for e in workers.log if e[0] == "generate"]
     assert [(len(g[1]), g[2], g[3]) for g in gens] == [(P, SEED * 1_000_003 + s, G) for s in range(1, STEPS + 1)]
@@ -182,16 +200,26 @@ def test_the_driver_runs_the_algorithm_in_order(tmp_path):
     assert [m[s]["train/loss"] for s in m] == [0.5 * s for s in m]  # the trainer's metrics, step by step
 
 
-def test_colocated_engines_sleep_while_the_trainers_run(tmp_path):
+def test_colocated_engines_and_trainers_take_turns_on_the_gpus(tmp_path):
+    """rollout (engines awake, trainers offloaded) -> sleep -> onload -> log-probs, update -> offload
+    -> wake_up -> push, every step; engines on their own devices never sleep, trainers never offload."""
     workers = FakeWorkers()
-    _run(_cfg(tmp_path, "grpo.num_steps=2", "cluster.device=cuda", "cluster.gpus_per_node=2", "rollout.colocate=true"),
-         workers)
-    step = [e[0] for e in workers.log[3:]]
-    assert step[:8] == ["generate", "sleep", "logprobs", "train_step", "wake_up", "export", "push", "release"]
-    assert step.count("sleep") == step.count("wake_up") == 2
+    _run(_cfg(tmp_path, *COLOCATED), workers)
+    assert workers.log == _expected_log(workers.log, STEPS, colocated=True)
     workers = FakeWorkers()
-    _run(_cfg(tmp_path / "own", "grpo.num_steps=2"), workers)  # engines on their own devices never sleep
-    assert not {"sleep", "wake_up"} & {e[0] for e in workers.log}
+    _run(_cfg(tmp_path / "own", "grpo.num_steps=2"), workers)
+    assert not {"sleep", "wake_up", "offload", "onload"} & {e[0] for e in workers.log}
+
+
+def test_a_colocated_resume_loads_the_trainers_while_the_engines_sleep(tmp_path):
+    _run(_cfg(tmp_path / "a", *COLOCATED, "grpo.num_steps=2"), FakeWorkers())
+    step2 = tmp_path / "a" / "checkpoints" / "step_000002"
+    resumed = FakeWorkers()
+    _run(_cfg(tmp_path / "b", *COLOCATED, f"checkpoint.dir={tmp_path / 'a' / 'checkpoints'}",
+              f"checkpoint.resume={step2}"), resumed, resume=str(step2))
+    assert resumed.log[:10 + 6] == [("export_draft_dir",), ("offload",), ("rollout", True), ("connect",),
+                                    ("sleep",), ("onload",), ("load", "step_000002"), ("offload",), ("wake_up",),
+                                    *_push("policy", 1, 2), *_push("draft", 2, 2), ("generate",) + resumed.log[15][1:]]
 
 
 def test_the_trainer_gets_the_recomputed_logprobs_and_group_advantages(tmp_path):
