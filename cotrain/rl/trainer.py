@@ -455,9 +455,12 @@ class MegatronPolicyWorker:
 
     def connect_engine_gpus(self, gpus: list[str]) -> None:
         """Every rank: the GPU UUIDs of every engine worker (``RolloutGroup.gpus``), which each
-        ``cuda_ipc`` export must cover (a GPU no trainer rank sits on is an error naming it)."""
+        ``cuda_ipc`` export must cover: a GPU no trainer rank sits on fails here, naming it."""
+        from cotrain.weights import make_transport
+
         self._engine_gpus = list(gpus) or None
-        self._transport = None
+        self._transport = make_transport("cuda_ipc", engine_gpus=self._engine_gpus)
+        self._transport.plan()  # collective: every rank's GPU
 
     def release_export(self, handle: dict) -> None:
         """Free an exported handle once every engine has loaded it (every rank may hold a copy)."""

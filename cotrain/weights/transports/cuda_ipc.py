@@ -135,6 +135,22 @@ class CudaIpcTransport(WeightTransport):
         self.uuid = uuid if uuid is not None else gpu_uuid(self.device)
         self._held: dict[int, dict[str, torch.Tensor]] = {}  # seq -> the copies the engines map
         self._seq = 0
+        self._rank_gpus: list[str] | None = None
+
+    def plan(self) -> dict[str, int]:
+        """``{engine GPU UUID: exporting rank}`` (:func:`ipc_exporters`); the first call gathers every
+        rank's GPU over the default group (every rank calls it). An engine GPU no trainer rank sits
+        on raises, naming it, on every rank alike."""
+        import torch.distributed as dist
+
+        if self._rank_gpus is None:
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                gpus: list = [None] * dist.get_world_size()
+                dist.all_gather_object(gpus, self.uuid)
+                self._rank_gpus = gpus
+            else:
+                self._rank_gpus = [self.uuid]
+        return ipc_exporters(self._rank_gpus, self.engine_gpus)
 
     def _stage(self, named_tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # the drafter's tensors reach rank 0 from the last pipeline stage (possibly on the CPU)
@@ -160,19 +176,16 @@ class CudaIpcTransport(WeightTransport):
 
     def send_collective(self, named_tensors: dict[str, torch.Tensor] | None, version: int) -> dict | None:
         """Every trainer rank calls this (collectives over the default group); rank 0 gives the
-        tensors. Steps: every rank's GPU UUID (all-gather) -> the exporters (the same plan on every
-        rank, so a missing GPU fails every rank alike) -> the manifest (broadcast) -> a full copy
-        from rank 0 to each other exporter (send / recv) -> each exporter's handles (gather) ->
-        rank 0 merges them and checks that every engine GPU is covered."""
+        tensors. Steps: the exporters (:meth:`plan`) -> the manifest (broadcast) -> a full copy from
+        rank 0 to each other exporter (send / recv) -> each exporter's handles (gather) -> rank 0
+        merges them and checks that every engine GPU is covered."""
         import torch.distributed as dist
 
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self.send(named_tensors, version)
         rank, world = dist.get_rank(), dist.get_world_size()
         cuda = self.device.type == "cuda"
-        gpus: list = [None] * world
-        dist.all_gather_object(gpus, self.uuid)
-        plan = ipc_exporters(gpus, self.engine_gpus)
+        plan = self.plan()
         exporters = sorted(set(plan.values()))
         self._seq += 1
         tensors = self._stage(named_tensors) if rank == 0 else None
