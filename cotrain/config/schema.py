@@ -340,12 +340,17 @@ class RolloutConfig(StrictModel):
     cpus_per_engine: PosInt = 1
     """Ray CPUs reserved by each engine."""
     gpus_per_engine: NonNegFloat | None = None
-    """GPUs reserved by each engine. null = tensor_parallel on cuda, 0 on cpu."""
+    """Ray GPUs reserved by each engine. null = tensor_parallel on cuda (0.5 * tensor_parallel when
+    colocated), 0 on cpu. Colocated, each of the engine's tensor_parallel workers takes
+    gpus_per_engine / tensor_parallel of a trainer rank's GPU and the rank the rest (strictly
+    between 0 and 1: Ray's books only; memory is split by gpu_memory_utilization)."""
     colocate: bool = False
-    """Engines share the training workers' GPUs instead of having their own (cuda only): they sleep
-    while the trainers run (vLLM's sleep mode: weights to host memory, KV cache freed) and wake
-    before the weight push; resources must fit max(training, rollout) instead of the sum, and
-    gpu_memory_utilization defaults to 0.4. vLLM's CPU backend has no sleep mode."""
+    """Engines share the training workers' GPUs instead of having their own (cuda only): every
+    trainer rank's GPU is one placement-group bundle that an engine worker shares (docs/multinode.md,
+    "Colocated engines"); the engines sleep while the trainers run (vLLM's sleep mode: weights to
+    host memory, KV cache freed), the trainers offload their optimizer states while the engines run,
+    and the engines wake before the weight push; engines x tensor_parallel GPUs must fit the
+    trainers' GPUs, and gpu_memory_utilization defaults to 0.4. vLLM's CPU backend has no sleep mode."""
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None
     """Fraction of device memory for weights + KV cache (of RAM on cpu). Exclusive with
     kv_cache_memory_bytes. When both are null: cpu -> kv_cache_memory_bytes = 256 MiB;
