@@ -238,16 +238,16 @@ class Call:
         return int(q.shape[0] * (n * (n + 1) // 2 if self.causal else n * m) * heads_frac)
 
 
-def run_forward(calls, Q, K, V, OUT, LSE, scale):
+def run_forward(calls, Q, K, V, OUT, LSE, scale, fwd=flash_fwd):
     for c in calls:
-        o, l = flash_fwd(Q[c.qslot][c.qidx], K[c.kslot][c.kidx], V[c.kslot][c.kidx], c.causal, scale)
+        o, l = fwd(Q[c.qslot][c.qidx], K[c.kslot][c.kidx], V[c.kslot][c.kidx], c.causal, scale)
         merge_(OUT[c.qslot][c.qidx], LSE[c.qslot][c.qidx], o, l)
 
 
-def run_backward(calls, dOUT, Q, K, V, OUT, LSE, dQ, dK, dV, scale):
+def run_backward(calls, dOUT, Q, K, V, OUT, LSE, dQ, dK, dV, scale, bwd=flash_bwd):
     for c in calls:
         qi, ki = c.qidx, c.kidx
-        dq, dk, dv = flash_bwd(dOUT[c.qslot][qi], Q[c.qslot][qi], K[c.kslot][ki], V[c.kslot][ki],
+        dq, dk, dv = bwd(dOUT[c.qslot][qi], Q[c.qslot][qi], K[c.kslot][ki], V[c.kslot][ki],
                                OUT[c.qslot][qi], LSE[c.qslot][qi], c.causal, scale)
         dQ[c.qslot][qi] += dq
         dK[c.kslot][ki] += dk
@@ -262,8 +262,8 @@ def _slots(main, branch_flat, nb, B):
 def _zeros_like_slots(main, branch_flat, nb, B, fill=0.0, last_dim=True):
     shape_m = main.shape if last_dim else main.shape[:-1]
     shape_b = branch_flat.shape if last_dim else branch_flat.shape[:-1]
-    m = torch.full(shape_m, fill, dtype=torch.float32)
-    b = torch.full(shape_b, fill, dtype=torch.float32)
+    m = torch.full(shape_m, fill, dtype=torch.float32, device=main.device)
+    b = torch.full(shape_b, fill, dtype=torch.float32, device=main.device)
     return {"q": m, "bq": b, "bqb": b.view(nb, B, *b.shape[2:])}
 
 
@@ -504,14 +504,15 @@ class _UspRing(torch.autograd.Function):
         bkb, bvb = bk.view(nb, B, *bk.shape[2:]), bv.view(nb, B, *bv.shape[2:])
         kv = torch.stack([k, v])
         comm = usp.ring_comm(0)
+        fwd = usp.attn[0]
         for step in range(usp.ring):
             if comm is not None and step + 1 < usp.ring:
                 nxt = comm.send_recv(kv)
                 comm.commit()
             src = (usp.g - step) % usp.ring
-            run_forward(usp.calls[src], Q, {"k": kv[0]}, {"k": kv[1]}, OUT, LSE, scale)
+            run_forward(usp.calls[src], Q, {"k": kv[0]}, {"k": kv[1]}, OUT, LSE, scale, fwd)
             if step == 0:
-                run_forward(usp.intra, Q, {"bkb": bkb}, {"bkb": bvb}, OUT, LSE, scale)
+                run_forward(usp.intra, Q, {"bkb": bkb}, {"bkb": bvb}, OUT, LSE, scale, fwd)
             if comm is not None and step + 1 < usp.ring:
                 comm.wait()
                 kv = nxt
@@ -530,8 +531,9 @@ class _UspRing(torch.autograd.Function):
         OUT, LSE, dOUT = _slots(out, bout, nb, B), _slots(lse, blse, nb, B), _slots(dout.float(), dbout.float(), nb, B)
         dQ = _zeros_like_slots(q, bq, nb, B)
         bkb, bvb = bk.view(nb, B, *bk.shape[2:]), bv.view(nb, B, *bv.shape[2:])
-        dB = {"bkb": torch.zeros(bkb.shape)}, {"bkb": torch.zeros(bvb.shape)}
-        run_backward(usp.intra, dOUT, Q, {"bkb": bkb}, {"bkb": bvb}, OUT, LSE, dQ, dB[0], dB[1], scale)
+        dev, bwd = k.device, usp.attn[1]
+        dB = {"bkb": torch.zeros(bkb.shape, device=dev)}, {"bkb": torch.zeros(bvb.shape, device=dev)}
+        run_backward(usp.intra, dOUT, Q, {"bkb": bkb}, {"bkb": bvb}, OUT, LSE, dQ, dB[0], dB[1], scale, bwd)
         kv = torch.stack([k, v])
         kv_comm, dkv_comm = usp.ring_comm(1), usp.ring_comm(2)
         dkv = None
@@ -540,8 +542,8 @@ class _UspRing(torch.autograd.Function):
                 nxt = kv_comm.send_recv(kv)
                 kv_comm.commit()
             src = (usp.g - step) % usp.ring
-            dK, dV = {"k": torch.zeros(k.shape)}, {"k": torch.zeros(v.shape)}
-            run_backward(usp.calls[src], dOUT, Q, {"k": kv[0]}, {"k": kv[1]}, OUT, LSE, dQ, dK, dV, scale)
+            dK, dV = {"k": torch.zeros(k.shape, device=dev)}, {"k": torch.zeros(v.shape, device=dev)}
+            run_backward(usp.calls[src], dOUT, Q, {"k": kv[0]}, {"k": kv[1]}, OUT, LSE, dQ, dK, dV, scale, bwd)
             block = torch.stack([dK["k"], dV["k"]])  # fp32, like ring-flash-attn
             if step > 0:
                 dkv_comm.wait()
@@ -564,8 +566,19 @@ class _UspRing(torch.autograd.Function):
 
 
 class Usp(PaddedBase):
+    attn = (flash_fwd, flash_bwd)  # the attention of one call: torch's fused CPU op (the partitions mode: tiles)
+
     def __init__(self, layout, tensors, weights, rank, cp_size, groups):
-        H, Hk = tensors[0].shape[1], tensors[1].shape[1]
+        pos, own = self._plan(layout, rank, cp_size, tensors[1].shape[1])
+        self.ulysses_group, self.ring_group = groups[("u", self.g)], groups[("r", self.i)]
+        super().__init__(layout, tensors, weights, pos, own)
+        self._plan_calls(layout)
+        self.scale = tensors[0].shape[-1] ** -0.5
+        self.counter = None
+
+    def _plan(self, layout, rank, cp_size, Hk):
+        """Rank `rank`'s place (no tensors): Ulysses group and ring position; returns the padded
+        positions it holds before the all-to-all and the branches it owns."""
         self.C, self.rank = cp_size, rank
         self.u = math.gcd(cp_size, Hk)
         self.ring = cp_size // self.u
@@ -573,10 +586,13 @@ class Usp(PaddedBase):
         self.Lp = math.ceil(int(layout.seqlens.max()) / cp_size) * cp_size
         self.Lloc = self.Lp // cp_size
         self.seg = self.u * self.Lloc
-        self.ulysses_group, self.ring_group = groups[("u", self.g)], groups[("r", self.i)]
-        owner = layout.anchor_positions // self.Lloc  # contiguous shards: rank r holds [r Lloc, (r+1) Lloc)
+        self.owner = layout.anchor_positions // self.Lloc  # contiguous shards: rank r holds [r Lloc, (r+1) Lloc)
         pos = torch.arange(rank * self.Lloc, (rank + 1) * self.Lloc)
-        super().__init__(layout, tensors, weights, pos, torch.nonzero(owner == rank).squeeze(1))
+        return pos, torch.nonzero(self.owner == rank).squeeze(1)
+
+    def _plan_calls(self, layout):
+        """The calls of every ring step (after the all-to-all: segment g of every sequence, H/u heads)."""
+        owner = self.owner
         members = [self.g * self.u + j for j in range(self.u)]
         self.member_counts = [int((owner == m).sum()) * self.B for m in members]  # branch rows per member
         # Branches of this ring segment after the all-to-all, by member; sorted by sequence for the calls.
@@ -596,8 +612,6 @@ class Usp(PaddedBase):
             main = [Call("q", rows_all, "k", rows_all, causal=src == self.g)]
             self.calls[src] = main + branch_calls(b_seq, b_ctx, self.B, src * self.seg, self.seg, own_segment=src == self.g)
         self.intra = [Call("bqb", (slice(None),), "bkb", (slice(None),))] if self.nb_seg else []
-        self.scale = tensors[0].shape[-1] ** -0.5
-        self.counter = None
 
     def ring_comm(self, tag):
         from cotrain.parallel import RingComm
@@ -628,6 +642,368 @@ class Usp(PaddedBase):
         K = {"k": torch.empty(S, self.seg, 1, 1), "bkb": bq.view(self.nb_seg, self.B, 1, 1)}
         calls = [c for cs in self.calls.values() for c in cs] + self.intra
         return sum(c.pairs(Q, K, 1.0 / self.u) for c in calls) if H and D else 0
+
+
+# ----- CP partitions on one device (--device cuda; --partitions runs the same on CPU) -------------------------
+#
+# Each rank's share of a CP step, computed in one process, one rank at a time: its inputs as that rank
+# holds them, the ring replaced by ReplayRing (what would arrive from the previous rank is copied from
+# the other ranks' inputs, which the process holds too). So per rank: the attention work (forward +
+# backward) and the memory it allocates, with no communication at all (all-to-all and ring transfers
+# cost nothing here). The K/V a rank receives are the real ones, so its outputs and dQ are exact; the
+# dK/dV partial sums that travel back are stand-ins of the right shape (their values are not those of
+# the other ranks), so the cross-check compares outputs only. Both arms use the same plain torch
+# attention in tiles of DEFAULT_MAX_TILE rows and keys, accumulated in fp32: ours through
+# TorchBlockKernel on its ring plan, USP through tiled_fwd / tiled_bwd on its padded calls (batched
+# over the padded sequences). flash-attn is not used (it is absent on the machine the check runs on).
+
+class ReplayRing:
+    """RingComm's interface for one simulated rank: the i-th send_recv receives ``arrival(i, to_send)``."""
+
+    def __init__(self, arrival):
+        self.arrival, self.calls, self.bytes_sent = arrival, 0, 0
+
+    def send_recv(self, to_send, recv_buffer=None):
+        recv = torch.empty_like(to_send) if recv_buffer is None else recv_buffer
+        recv.copy_(self.arrival(self.calls, to_send))
+        self.calls += 1
+        self.bytes_sent += to_send.numel() * to_send.element_size()
+        return recv
+
+    def commit(self):
+        pass
+
+    def wait(self):
+        pass
+
+
+def _tile_scores(q, k, i0, i1, j0, j1, causal, scale, ct):
+    """Scores (B, Hk, g, i1-i0, j1-j0) of query rows [i0, i1) x key rows [j0, j1), causal-masked on the diagonal."""
+    B, _, H, D = q.shape
+    hk = k.shape[2]
+    qt = q[:, i0:i1].to(ct).reshape(B, i1 - i0, hk, H // hk, D).permute(0, 2, 3, 1, 4)
+    kt = k[:, j0:j1].to(ct).permute(0, 2, 1, 3).unsqueeze(2)
+    s = torch.matmul(qt, kt.transpose(-1, -2)).mul_(scale)
+    if causal and j1 > i0 + 1:
+        ii = torch.arange(i0, i1, device=q.device)[:, None]
+        jj = torch.arange(j0, j1, device=q.device)[None, :]
+        s.masked_fill_(jj > ii, float("-inf"))
+    return qt, kt, s
+
+
+def _tiles(n, m, causal, tile):
+    """(i0, i1, j0, j1) of the computed tiles: every one, or (causal, n == m) those on or below the diagonal."""
+    for i0 in range(0, n, tile):
+        i1 = min(i0 + tile, n)
+        for j0 in range(0, i1 if causal else m, tile):
+            yield i0, i1, j0, min(j0 + tile, m)
+
+
+def tiled_fwd(q, k, v, causal, scale, tile=None):
+    """Plain torch attention on (B, n, H, D) x (B, m, Hk, D), tile by tile: out (B, n, H, D) and lse
+    (B, n, H) in fp32 (fp64 for fp64). causal (n == m): key j visible to query i iff j <= i."""
+    from cotrain.parallel.branch_attention import DEFAULT_MAX_TILE
+
+    tile = tile or DEFAULT_MAX_TILE
+    B, n, H, D = q.shape
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(B, n, H, D, dtype=ct, device=q.device)
+    lse = torch.full((B, n, H), float("-inf"), dtype=ct, device=q.device)
+    for i0, i1, j0, j1 in _tiles(n, k.shape[1], causal, tile):
+        _, _, s = _tile_scores(q, k, i0, i1, j0, j1, causal, scale, ct)
+        l = torch.logsumexp(s, -1, keepdim=True)  # (B, Hk, g, nq, 1): every row sees a key (j0 <= i0)
+        vt = v[:, j0:j1].to(ct).permute(0, 2, 1, 3).unsqueeze(2)
+        o = torch.matmul(s.sub_(l).exp_(), vt)  # (B, Hk, g, nq, D)
+        nq = i1 - i0
+        merge_(out[:, i0:i1], lse[:, i0:i1], o.permute(0, 3, 1, 2, 4).reshape(B, nq, H, D),
+               l.squeeze(-1).permute(0, 3, 1, 2).reshape(B, nq, H))
+    return out, lse
+
+
+def tiled_bwd(dout, q, k, v, out, lse, causal, scale, tile=None):
+    """tiled_fwd's backward given the rows' final out and lse: dq (B, n, H, D), dk and dv (B, m, Hk, D)."""
+    from cotrain.parallel.branch_attention import DEFAULT_MAX_TILE
+
+    tile = tile or DEFAULT_MAX_TILE
+    B, n, H, D = q.shape
+    m, hk = k.shape[1], k.shape[2]
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = torch.zeros(B, n, H, D, dtype=ct, device=q.device)
+    dk = torch.zeros(B, m, hk, D, dtype=ct, device=q.device)
+    dv = torch.zeros(B, m, hk, D, dtype=ct, device=q.device)
+    heads = lambda x: x.to(ct).reshape(B, x.shape[1], hk, H // hk, *x.shape[3:]).permute(0, 2, 3, 1, *range(4, x.dim() + 1))  # noqa: E731
+    delta = (dout.to(ct) * out.to(ct)).sum(-1)  # (B, n, H)
+    for i0, i1, j0, j1 in _tiles(n, m, causal, tile):
+        qt, kt, s = _tile_scores(q, k, i0, i1, j0, j1, causal, scale, ct)
+        p = s.sub_(heads(lse[:, i0:i1]).unsqueeze(-1)).exp_()  # (B, Hk, g, nq, nk)
+        do = heads(dout[:, i0:i1])  # (B, Hk, g, nq, D)
+        vt = v[:, j0:j1].to(ct).permute(0, 2, 1, 3).unsqueeze(2)
+        ds = torch.matmul(do, vt.transpose(-1, -2)).sub_(heads(delta[:, i0:i1]).unsqueeze(-1)).mul_(p)
+        nq = i1 - i0
+        dq[:, i0:i1] += torch.matmul(ds, kt).mul_(scale).permute(0, 3, 1, 2, 4).reshape(B, nq, H, D)
+        dk[:, j0:j1] += torch.matmul(ds.transpose(-1, -2), qt).sum(2).mul_(scale).transpose(1, 2)
+        dv[:, j0:j1] += torch.matmul(p.transpose(-1, -2), do).sum(2).transpose(1, 2)
+    return dq, dk, dv
+
+
+def partition_workload(args, cp_size, device, dtype):
+    """The timing workload (make_workload's batch and anchors) without the drafter's modules: anchor
+    candidates are the response positions whose next token is in the response too (the DFlash
+    drafter's rule), inputs drawn on the CPU in fp64 and moved to `device` in `dtype`."""
+    from cotrain.parallel import balanced_anchors, cu_seqlens_from_lengths, dflash_layout
+
+    seqlens, prompt, g = make_batch(args.seed, args.num_seqs, args.min_len, args.max_len)
+    cu = cu_seqlens_from_lengths(seqlens)
+    pos = torch.cat([torch.arange(int(n)) for n in seqlens])
+    seq = torch.repeat_interleave(torch.arange(len(seqlens)), seqlens)
+    cand = torch.nonzero((pos >= prompt[seq]) & (pos + 1 < seqlens[seq])).squeeze(1)
+    anchors = balanced_anchors(cu, cand, args.blocks_per_seq, cp_size, torch.Generator().manual_seed(args.seed + 1),
+                               block_size=args.block_size)
+    layout = dflash_layout(cu, anchors, args.block_size, cp_size=cp_size)
+    T, NBt = layout.total_len, layout.total_branch_tokens
+    H, Hk, D = args.heads, args.kv_heads, args.head_dim
+    move = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+    tensors = [move(torch.randn(n, h, D, generator=g, dtype=torch.float64))
+               for n, h in [(T, H), (T, Hk), (T, Hk), (NBt, H), (NBt, Hk), (NBt, Hk)]]
+    weights = [move(torch.randn(T, H, D, generator=g, dtype=torch.float64)),
+               move(torch.randn(NBt, H, D, generator=g, dtype=torch.float64))]
+    return layout, tensors, weights
+
+
+class OursPartition:
+    """Rank `rank` of ours: its zigzag shards and branches; the ring replayed from every rank's K/V shard."""
+
+    name = "ours"
+
+    def __init__(self, layout, tensors, weights, rank, kv_shards):
+        from cotrain.parallel import TorchBlockKernel, shard_branches, zigzag_shard
+
+        self.layout, self.rank, self.kv_shards = layout, rank, kv_shards
+        self.inputs = [zigzag_shard(t, layout, rank).detach().requires_grad_() for t in tensors[:3]]
+        self.inputs += [shard_branches(t, layout, rank).detach().requires_grad_() for t in tensors[3:]]
+        self.w = [zigzag_shard(weights[0], layout, rank), shard_branches(weights[1], layout, rank)]
+        self.kernel = TorchBlockKernel()
+
+    def input_bytes(self):
+        return sum(t.numel() * t.element_size() for t in self.inputs)
+
+    def _ring(self, group, tag=0):
+        C, r = self.layout.cp_size, self.rank
+        if tag == 2:  # dK/dV partial sums: shape and dtype only (module comment)
+            return ReplayRing(lambda i, sent: sent)
+        return ReplayRing(lambda i, sent: self.kv_shards[(r - i - 1) % C])
+
+    def step(self):
+        from unittest import mock
+
+        import cotrain.parallel.branch_attention as ba
+
+        for t in self.inputs:
+            t.grad = None
+        with mock.patch.object(ba, "RingComm", self._ring), \
+                mock.patch.object(ba, "group_rank_and_size", lambda group: (self.rank, self.layout.cp_size)):
+            out, _, bout, _ = ba.cp_branch_attention(*self.inputs, self.layout, None, kernel=self.kernel)
+            ((out * self.w[0]).sum() + (bout * self.w[1]).sum()).backward()
+        return out.detach(), bout.detach()
+
+    def packed(self, out, bout):
+        """(packed main rows, their outputs), (packed branch rows, their outputs)."""
+        idx = self.layout.zigzag_index(self.rank)
+        real = idx >= 0
+        return (idx[real], out[real.to(out.device)]), (self.layout.local_branch_token_index(self.rank), bout)
+
+
+class UspPartition:
+    """Rank `rank` of the padded USP baseline after its Ulysses all-to-all: segment g of every padded
+    sequence and its heads group (query heads [i H/u, (i+1) H/u)), the branches of its segment; the
+    ring over segments replayed from the padded K/V."""
+
+    name = "usp"
+
+    def __init__(self, layout, tensors, weights, rank, cp_size, padded_kv):
+        H, Hk = tensors[0].shape[1], tensors[1].shape[1]
+        plan = object.__new__(Usp)  # Usp's plan only: its tensors are built here, on the device
+        plan._plan(layout, rank, cp_size, Hk)
+        plan.B = int(layout.branch_lens[0]) if layout.num_branches else 1
+        plan.layout = layout
+        plan._plan_calls(layout)
+        plan.scale = tensors[0].shape[-1] ** -0.5
+        plan.counter = None
+        plan.attn = (tiled_fwd, tiled_bwd)
+        plan.ring_comm = self._ring
+        self.plan, self.layout, self.padded_kv = plan, layout, padded_kv
+        u, g, i, seg = plan.u, plan.g, plan.i, plan.seg
+        self.hq, self.hkv = slice(i * H // u, (i + 1) * H // u), slice(i * Hk // u, (i + 1) * Hk // u)
+        self.rows = slice(g * seg, (g + 1) * seg)
+        Lp = plan.Lp
+        main = lambda t, h: pad_main(t, layout, Lp)[:, self.rows, h].contiguous()  # noqa: E731
+        self.tok = self._tokens()
+        branch = lambda t, h: t[self.tok.to(t.device)][None, :, h].contiguous()  # noqa: E731
+        q, k, v, bq, bk, bv = tensors
+        self.inputs = [main(q, self.hq), main(k, self.hkv), main(v, self.hkv)]
+        self.inputs += [branch(bq, self.hq), branch(bk, self.hkv), branch(bv, self.hkv)]
+        self.inputs = [t.requires_grad_() for t in self.inputs]
+        self.w = [main(weights[0], self.hq), branch(weights[1], self.hq)]
+
+    def _tokens(self):
+        offs = self.layout.branch_offsets
+        pieces = [torch.arange(int(offs[b]), int(offs[b + 1])) for b in self.plan.seg_ids.tolist()]
+        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+
+    def input_bytes(self):
+        return sum(t.numel() * t.element_size() for t in self.inputs)
+
+    def _ring(self, tag):
+        p = self.plan
+        if p.ring == 1:
+            return None
+        if tag == 2:
+            return ReplayRing(lambda i, sent: sent)
+        return ReplayRing(lambda i, sent: self.padded_kv[(p.g - i - 1) % p.ring][:, :, :, self.hkv])
+
+    def step(self):
+        for t in self.inputs:
+            t.grad = None
+        out, bout = _UspRing.apply(*self.inputs, self.plan)
+        ((out * self.w[0]).sum() + (bout * self.w[1]).sum()).backward()
+        return out.detach(), bout.detach()
+
+    def packed(self, out, bout):
+        """As OursPartition.packed, for this rank's heads group only (the caller fills those heads)."""
+        lens, cu = self.layout.seqlens.to(out.device), self.layout.cu_seqlens.to(out.device)
+        pos = torch.arange(self.rows.start, self.rows.stop, device=out.device)[None, :].expand(self.layout.num_seqs, -1)
+        real = pos < lens[:, None]
+        idx = (cu[:-1, None] + pos)[real]
+        return (idx, out[real]), (self.tok, bout[0])
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_partition(arm, device):
+    """One step of one rank: wall seconds, and on CUDA the peak bytes the rank holds (its inputs plus
+    everything the step allocates: buffers, saved tensors, gradients); None on CPU."""
+    for t in arm.inputs:
+        t.grad = None
+    _sync(device)
+    before = 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    t0 = time.perf_counter()
+    res = arm.step()
+    _sync(device)
+    wall = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(device) - before + arm.input_bytes() if device.type == "cuda" else None
+    return wall, peak, res
+
+
+def build_partitions(args, cp_size: int, device, dtype):
+    """(layout, tensors, weights, {"ours": [rank 0 .. C-1], "usp": [...]}, the USP plan of rank 0)."""
+    from cotrain.parallel import zigzag_shard
+
+    layout, tensors, weights = partition_workload(args, cp_size, device, dtype)
+    kv = [torch.stack([zigzag_shard(tensors[1], layout, r), zigzag_shard(tensors[2], layout, r)]) for r in range(cp_size)]
+    probe = object.__new__(Usp)
+    probe._plan(layout, 0, cp_size, args.kv_heads)
+    seg = probe.seg
+    padded = [pad_main(t, layout, probe.Lp) for t in tensors[1:3]]
+    padded_kv = [torch.stack([p[:, s * seg:(s + 1) * seg] for p in padded]) for s in range(probe.ring)]
+    del padded
+    arms = {"ours": [OursPartition(layout, tensors, weights, r, kv) for r in range(cp_size)],
+            "usp": [UspPartition(layout, tensors, weights, r, cp_size, padded_kv) for r in range(cp_size)]}
+    return layout, tensors, weights, arms, probe
+
+
+def assemble(layout, ranks, per_rank, H, D, device):
+    """Packed (T, H, D) and (NBt, H, D) from every rank's (main, branch) results of one arm (outputs,
+    or the gradients of q and bq): each rank fills its rows (USP: and its heads)."""
+    out = torch.zeros(layout.total_len, H, D, device=device)
+    bout = torch.zeros(layout.total_branch_tokens, H, D, device=device)
+    for arm, (o, b) in zip(ranks, per_rank):
+        (mi, mo), (bi, bo) = arm.packed(o, b)
+        heads = getattr(arm, "hq", slice(None))
+        out[mi.to(device), heads] = mo.float()
+        bout[bi.to(device), heads] = bo.float()
+    return out, bout
+
+
+def run_partitions(args, cp_size: int, device, dtype) -> dict:
+    """Every rank of ours and of USP at CP = cp_size on `device`: per rank median step time and peak
+    memory over interleaved rounds (arm order alternating), and ours vs USP outputs by packed token."""
+    layout, tensors, weights, arms, probe = build_partitions(args, cp_size, device, dtype)
+    H, D = args.heads, args.head_dim
+    outs = {}
+    for name, ranks in arms.items():  # warm-up (plans cached), then the cross-check from the same step
+        per_rank = []
+        for arm in ranks:
+            for _ in range(max(1, args.warmup)):
+                res = arm.step()
+            per_rank.append(res)
+        outs[name] = assemble(layout, ranks, per_rank, H, D, device)
+    wall = {a: [[] for _ in range(cp_size)] for a in arms}
+    peak = {a: [None] * cp_size for a in arms}
+    t_start = time.perf_counter()
+    for rnd in range(args.rounds):
+        for name in (ARMS_PARTITIONS if rnd % 2 == 0 else ARMS_PARTITIONS[::-1]):
+            for r, arm in enumerate(arms[name]):
+                w, pk, _ = measure_partition(arm, device)
+                wall[name][r].append(w)
+                if pk is not None:
+                    peak[name][r] = pk if peak[name][r] is None else max(peak[name][r], pk)
+        if args.budget_s and time.perf_counter() - t_start > args.budget_s / max(1, len(args.cp)):
+            break  # enough rounds for this CP degree within the time budget
+    diff = max(float((outs["ours"][0] - outs["usp"][0]).abs().max()), float((outs["ours"][1] - outs["usp"][1]).abs().max()))
+    res = {"cp": cp_size, "ulysses": probe.u, "ring": probe.ring, "padded_len": probe.Lp, "rounds": len(wall["ours"][0]),
+           "max_abs_diff_ours_vs_usp": diff, "arms": {}}
+    for name in arms:
+        med = [statistics.median(w) for w in wall[name]]
+        res["arms"][name] = {"time_s_per_rank": med, "time_s_max_rank": max(med), "peak_bytes_per_rank": peak[name],
+                             "peak_bytes_max_rank": max(peak[name]) if peak[name][0] is not None else None}
+    o, u = res["arms"]["ours"], res["arms"]["usp"]
+    res["usp_over_ours_time"] = u["time_s_max_rank"] / o["time_s_max_rank"]
+    res["usp_over_ours_peak"] = (u["peak_bytes_max_rank"] / o["peak_bytes_max_rank"]) if o["peak_bytes_max_rank"] else None
+    return res
+
+
+ARMS_PARTITIONS = ("ours", "usp")
+
+
+def partitions_main(args) -> dict:
+    """--device cuda / --partitions: run_partitions for every CP degree, JSON into args.out_dir."""
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device")
+    dtype = getattr(torch, args.dtype)
+    t0 = time.perf_counter()
+    results = [run_partitions(args, cp, device, dtype) for cp in args.cp]
+    layout, _, _ = partition_workload(args, 1, "cpu", torch.float32)
+    data = {
+        "what": "CP branch attention, ours (packed zigzag ring) vs padded USP, every rank's share of one step "
+                "(forward + backward) computed in turn on one device: no communication; both arms plain torch tiles",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "dtype": args.dtype, "kernel": "TorchBlockKernel / tiled_fwd (fp32 accumulation)",
+        "workload": {"seqlens": layout.seqlens.tolist(), "tokens": layout.total_len, "branches": layout.num_branches,
+                     "block_size": args.block_size, "heads": args.heads, "kv_heads": args.kv_heads,
+                     "head_dim": args.head_dim},
+        "command": "python bench/cp_attention.py " + " ".join(sys.argv[1:]),
+        "seconds": None, "results": results,
+    }
+    data["seconds"] = time.perf_counter() - t0
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"cp_attention_partitions_{device.type}.json"
+    path.write_text(json.dumps(data, indent=1))
+    for r in results:
+        o, u = r["arms"]["ours"], r["arms"]["usp"]
+        mem = f", peak {u['peak_bytes_max_rank'] / 2**20:.0f} vs {o['peak_bytes_max_rank'] / 2**20:.0f} MiB " \
+              f"(USP / ours {r['usp_over_ours_peak']:.2f}x)" if r["usp_over_ours_peak"] else ""
+        print(f"CP {r['cp']}: slowest rank USP {u['time_s_max_rank'] * 1e3:.1f} ms vs ours {o['time_s_max_rank'] * 1e3:.1f} ms "
+              f"(USP / ours {r['usp_over_ours_time']:.2f}x){mem}; outputs differ by {r['max_abs_diff_ours_vs_usp']:.1e}")
+    print(f"wrote {path}")
+    return data
 
 
 # ----- per rank -------------------------------------------------------------------------------------------
@@ -1165,7 +1541,27 @@ def main():
                    help="JSON to write (default bench/results/cp_attention.json; cp_attention_drafter.json with --drafter-only)")
     p.add_argument("--png", type=Path, default=ROOT / "docs" / "img" / "cp_attention.png")
     p.add_argument("--report", type=Path, help="from this JSON: print the docs' markdown tables, redraw --png, exit")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: every CP rank's share computed in turn on one GPU (the partitions mode, ours vs USP)")
+    p.add_argument("--partitions", action="store_true", help="the partitions mode on --device (cpu: a smoke run)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="partitions mode: input dtype (default bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--preset", choices=["qwen3-0.6b"], default=None,
+                   help="partitions mode workload: 8 sequences of 512-4096 tokens, 8 DFlash blocks of 16 each, "
+                        "Qwen3-0.6B's attention (16 query heads, 8 KV heads, head dim 128)")
+    p.add_argument("--budget-s", type=float, default=60.0, help="partitions mode: timed rounds stop past this (all CP degrees)")
+    p.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results",
+                   help="partitions mode: folder of cp_attention_partitions_<device>.json")
     args = p.parse_args()
+    if args.device == "cuda" or args.partitions:
+        if args.preset == "qwen3-0.6b":
+            args.num_seqs, args.min_len, args.max_len, args.blocks_per_seq, args.block_size = 8, 512, 4096, 8, 16
+            args.heads, args.kv_heads, args.head_dim = 16, 8, 128
+        if args.quick:
+            args.num_seqs, args.min_len, args.max_len, args.rounds, args.warmup = 4, 8, 64, 2, 1
+        args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+        partitions_main(args)
+        return
     if args.report:
         data = json.loads(args.report.read_text())
         print(markdown(data))
