@@ -26,7 +26,7 @@ def make_batch(num_micro: int, micro_batch: int, seq_len: int, seed: int = 0):
 
 def pp_train_step(rank, world, model_path, pp, micro):
     """One forward/backward through Megatron's pipeline schedule; returns losses, grads, logits."""
-    from cotrain.models.megatron_compat import model_parallel_manual_seed
+    from cotrain.models.megatron_compat import seed_model_parallel
     from cotrain.models import convert
     from cotrain.models.megatron_model import build_gpt_model, layer_offset, load_hf_weights
     from cotrain.models.hf_io import load_hf_checkpoint
@@ -34,7 +34,7 @@ def pp_train_step(rank, world, model_path, pp, micro):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp)
-    model_parallel_manual_seed(0)
+    seed_model_parallel(0, "cuda" if torch.cuda.is_available() else "cpu")
     arch, _, hf_state = load_hf_checkpoint(model_path)
     model = build_gpt_model(arch)
     load_hf_weights(model, hf_state, arch)
@@ -70,12 +70,12 @@ def pp_train_step(rank, world, model_path, pp, micro):
 def megatron_logits(rank, world, model_path, ids):
     """Logits of a HF checkpoint loaded into a single-stage Megatron GPTModel."""
     from cotrain.models.hf_io import load_hf_checkpoint
-    from cotrain.models.megatron_compat import model_parallel_manual_seed
+    from cotrain.models.megatron_compat import seed_model_parallel
     from cotrain.models.megatron_model import build_gpt_model, load_hf_weights
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel()
-    model_parallel_manual_seed(0)
+    seed_model_parallel(0, "cuda" if torch.cuda.is_available() else "cpu")
     arch, _, hf_state = load_hf_checkpoint(model_path)
     model = build_gpt_model(arch)
     load_hf_weights(model, hf_state, arch)

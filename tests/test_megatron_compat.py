@@ -89,3 +89,29 @@ def test_rng_tracker_forks_do_not_disturb_default_stream():
     with pytest.raises(KeyError, match="not added"):
         with tracker.fork("no-such-stream"):
             pass
+
+
+@cpu_only
+@pytest.mark.usefixtures("compat")
+def test_seeding_on_cuda_calls_megatrons_own(monkeypatch):
+    """Given cuda, seed_model_parallel calls Megatron's model_parallel_cuda_manual_seed (observed by
+    patching it: on this machine the real one would need a GPU) and leaves the CPU stand-in's tracker
+    alone; given cpu it fills the stand-in's streams, Megatron's function untouched."""
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import random as mrandom
+
+    calls = []
+    monkeypatch.setattr(tensor_parallel, "model_parallel_cuda_manual_seed", lambda seed, **kw: calls.append(seed))
+    mc._TRACKER.reset()
+    mc.seed_model_parallel(11, torch.device("cuda", 0))
+    assert calls == [11] and not mrandom.get_cuda_rng_tracker().is_initialized()
+    mc.seed_model_parallel(11, "cpu")
+    assert calls == [11]
+    tracker = mrandom.get_cuda_rng_tracker()
+    assert set(tracker.get_states()) == {"model-parallel-rng", "data-parallel-rng"}
+    with tracker.fork():  # the tensor-parallel stream: seed + 2718 + tp_rank (Megatron's rule)
+        got = torch.rand(3)
+    assert torch.equal(got, torch.rand(3, generator=torch.Generator().manual_seed(11 + 2718)))
+    with pytest.raises(ValueError, match="neither cpu nor cuda"):
+        mc.seed_model_parallel(11, "meta")
+

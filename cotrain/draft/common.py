@@ -13,6 +13,10 @@ Conventions (all drafters):
   fall outside the sequence or are not supervised are marked invalid (``valid[n, j] = False``).
   Losses (:mod:`cotrain.draft.losses`) and the acceptance estimator
   (:mod:`cotrain.draft.acceptance`) work on chains only, so they are family independent.
+- Devices: index space (token ids, ``cu_seqlens``, masks, layouts, anchors) lives on the host; the
+  values (taps, target logits, weights, activations) on the drafter's device. A drafter moves what
+  enters its modules (ids into the embedding, RoPE positions) and its output (:class:`DraftOutput`)
+  onto its device.
 - Attention goes through :class:`BranchAttention`: the ring's kernel tiles at every CP size
   (``local_branch_attention`` at CP = 1, ``cp_branch_attention`` over a process group otherwise);
   with no main queries (``q=None``: DFlash/DSpark, EAGLE-3's passes 1..k-1) only the branch tiles
@@ -105,6 +109,9 @@ class DraftOutput:
     valid        (N, W) bool.
     confidence   optional (N, W) confidence-head logits (DSpark).
     loss_weight  optional (W,) per-draft-position weights (DFlash/DSpark gamma decay).
+
+    Every field lives on the logits' device (the drafter's): the index fields, computed on the host
+    from the batch and the layout, are moved there once, here, for the losses and the acceptance.
     """
 
     logits: torch.Tensor
@@ -114,6 +121,13 @@ class DraftOutput:
     confidence: Optional[torch.Tensor] = None
     loss_weight: Optional[torch.Tensor] = None
     extras: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        dev = self.logits.device
+        for name in ("bonus_pos", "target_rows", "valid", "confidence", "loss_weight"):
+            v = getattr(self, name)
+            if v is not None and v.device != dev:
+                setattr(self, name, v.to(dev))
 
     @property
     def num_chains(self) -> int:
@@ -166,8 +180,8 @@ class SwiGLU(nn.Module):
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32):
-    """cos, sin (N, head_dim) for neox-style RoPE (vLLM's default and HF's rotate_half)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    """cos, sin (N, head_dim) for neox-style RoPE (vLLM's default and HF's rotate_half), on the positions' device."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -133,7 +133,8 @@ class BlockDrafter(Drafter):
         taps = batch.taps.to(self.fc.weight.dtype)
         if taps.shape[0] != rows.numel():
             raise ValueError(f"taps has {taps.shape[0]} rows, expected {rows.numel()} (this rank's trunk rows)")
-        cos_c, sin_c = rope_cos_sin(batch.positions[r], D, a.rope_theta)
+        dev = taps.device
+        cos_c, sin_c = rope_cos_sin(batch.positions[r].to(dev), D, a.rope_theta)
         ctx = self.hidden_norm(self.fc(taps))
 
         br = layout.local_branches(rank)
@@ -144,7 +145,7 @@ class BlockDrafter(Drafter):
         ids = torch.full((NB, B), self.block_token_id, dtype=torch.int64)
         ids[:, 0] = batch.input_ids[anchors]
         bpos = batch.positions[anchors][:, None] + torch.arange(B)[None, :]
-        cos_b, sin_b = rope_cos_sin(bpos.reshape(-1), D, a.rope_theta)
+        cos_b, sin_b = rope_cos_sin(bpos.reshape(-1).to(dev), D, a.rope_theta)
         resid = self.embed(ids.reshape(-1)).to(taps.dtype)
         # No decoder layer runs on the context: its rows give keys/values only, so branch attention
         # runs without main queries (q=None): only the blocks' tiles are computed.

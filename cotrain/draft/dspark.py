@@ -88,7 +88,7 @@ class DSparkDrafter(BlockDrafter):
         src = anchors[:, None] + torch.arange(B)[None, :]
         end = batch.seq_end()[anchors][:, None]
         prev = torch.where(src < end, batch.input_ids[src.clamp(max=T - 1)], torch.full_like(src, self.pad_token_id))
-        logits = self.base_logits(hidden) + self.markov_head.bias(prev, hidden)
+        logits = self.base_logits(hidden) + self.markov_head.bias(prev.to(hidden.device), hidden)
         conf = self.confidence_head(hidden) if self.confidence_head is not None else None
         target_rows, valid = chain_rows(anchors, B, batch)
         return DraftOutput(logits=logits, bonus_pos=anchors, target_rows=target_rows, valid=valid, confidence=conf,

@@ -200,7 +200,8 @@ class Eagle3Drafter(Drafter):
         if k > 1 and layout.local_branch_tokens(rank) != nbt:
             raise ValueError("layout does not match this batch's chain anchors (build it with build_layout)")
 
-        cos0, sin0 = rope_cos_sin(pos[r], D, a.rope_theta)
+        dev = taps.device
+        cos0, sin0 = rope_cos_sin(pos[r].to(dev), D, a.rope_theta)
         emb0 = self.embed(tok0)
 
         # pass 0 has main queries and no branch query yet: it attends over the trunk alone (the
@@ -232,7 +233,7 @@ class Eagle3Drafter(Drafter):
             else:
                 tok = next_tokens(t, logits[-1]).to(torch.int64)
             emb = self.embed(tok)
-            cos, sin = rope_cos_sin(apos + t, D, a.rope_theta)
+            cos, sin = rope_cos_sin((apos + t).to(dev), D, a.rope_theta)
             resid = prenorm
             for li, layer in enumerate(self.layers):
                 x = layer.attn_input(emb, resid)

@@ -80,7 +80,8 @@ from cotrain.draft.vocab import DraftVocab, token_counts
 
 @dataclass
 class RolloutRows:
-    """Rows of the training batch as the policy sees them (right-padded to S positions).
+    """Rows of the training batch as the policy sees them (right-padded to S positions), on the host
+    (index space; the taps and logits that come with them are on the drafter's device).
 
     inputs   [b, S] token ids (every position, also under CP: ids are small and global).
     mask     [b, S] 1 where the target at position t (token t + 1) is a response token.
@@ -280,7 +281,9 @@ class OnlineDraftTrainer:
                 p = TargetDist(tl, torch.arange(tl.shape[0], device=tl.device).view(out.target_rows.shape))
             else:  # gathered chunk by chunk inside the loss
                 p = target_dist(local_logits, out)
-            labels = batch.input_ids[(out.target_rows + 1).clamp(min=0, max=batch.num_tokens - 1)]
+            # token ids are host-side (index space), the chains on the drafter's device
+            labels = batch.input_ids[(out.target_rows + 1).clamp(min=0, max=batch.num_tokens - 1).cpu()].to(
+                out.logits.device)
             vocab = getattr(self.drafter, "vocab", None)
             loss, m = draft_loss(self.loss_name, out, p, labels=labels, vocab=vocab, **self.loss_extra)
             weight = m["weight"]  # the positions the loss counts (a reduced vocabulary drops some); a tensor
@@ -423,10 +426,11 @@ class OnlineDraftTrainer:
         grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
         counts = self._step_counts if self.vocab_counts is not None else torch.zeros(0, dtype=torch.float64)
         if self.reduce_group is not None and dist.get_world_size(self.reduce_group) > 1:
-            flat = torch.cat([grads.double(), stats, counts])
+            # one all-reduce on the drafter's device (the backend's: NCCL carries CUDA tensors only)
+            flat = torch.cat([grads.double(), stats.to(grads.device), counts.to(grads.device)])
             dist.all_reduce(flat, group=self.reduce_group)
             n_g, n_s = grads.numel(), stats.numel()
-            grads, stats, counts = flat[:n_g].float(), flat[n_g: n_g + n_s], flat[n_g + n_s:]
+            grads, stats, counts = flat[:n_g].float(), flat[n_g: n_g + n_s].cpu(), flat[n_g + n_s:].cpu()
         s = dict(zip(keys, stats.tolist()))
         metrics = {"loss": s["loss_sum"] / s["weight"] if s["weight"] else float("nan"),
                    "overlap": s["overlap_sum"] / s["positions"] if s["positions"] else float("nan"),

@@ -90,7 +90,7 @@ class Drafter(nn.Module):
 
     # ----- training ---------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return nn.functional.embedding(ids, self.embed_weight)
+        return nn.functional.embedding(ids.to(self.embed_weight.device), self.embed_weight)  # host ids welcome
 
     def build_layout(self, batch: DraftBatch, generator: Optional[torch.Generator] = None,
                      cp_size: int = 1) -> BranchLayout:

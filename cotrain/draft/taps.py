@@ -148,7 +148,8 @@ def compute_taps(model, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, tap_l
             for r, s in enumerate(idx):
                 ids[r, : lens[s]] = input_ids[cu[s] : cu[s + 1]]
                 mask[r, : lens[s]] = 1
-            logits = model(input_ids=ids, attention_mask=mask).logits.float()
+            dev = next(model.parameters()).device  # the batch is built on the host, the model may be on a GPU
+            logits = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits.float()
             taps = torch.cat([captured[i].float() for i in layers], dim=-1)
             for r, s in enumerate(idx):
                 taps_out.append(taps[r, : lens[s]])

@@ -203,6 +203,32 @@ def model_parallel_manual_seed(seed: int) -> None:
     _TRACKER.add("data-parallel-rng", seed)  # name used by some Megatron modules; same seed as Megatron
 
 
+def seed_model_parallel(seed: int, device: str | torch.device) -> None:
+    """Seed the default and model-parallel RNG streams the way ``device`` needs them.
+
+    On ``cuda``: ``torch.manual_seed(seed)`` and Megatron's own
+    ``tensor_parallel.model_parallel_cuda_manual_seed(seed)``, which fills Megatron's CUDA RNG
+    tracker (weight init with ``use_cpu_initialization=False`` draws through its ``fork()``). On
+    ``cpu``: the stand-in :func:`model_parallel_manual_seed` (same seeds), which only the compatibility
+    layer's tracker reads, so it is refused when the layer is off (CUDA available: Megatron's own
+    tracker and device choices are then in force and a CPU policy cannot run).
+    """
+    kind = torch.device(device).type
+    if kind == "cuda":
+        from megatron.core import tensor_parallel
+
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        return
+    if kind != "cpu":
+        raise ValueError(f"seed_model_parallel: device {device!r} is neither cpu nor cuda")
+    if not is_active():
+        raise RuntimeError("a CPU policy on a machine with CUDA: megatron-core runs on CPU only through cotrain's "
+                           "compatibility layer, which is off when CUDA is available (use cluster.device=cuda, or "
+                           "hide the GPUs with CUDA_VISIBLE_DEVICES='')")
+    model_parallel_manual_seed(seed)
+
+
 def pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
     """Rotary embeddings of the two zigzag chunks this CP rank holds: r and 2C-1-r of 2C."""
     if cp_group is None:

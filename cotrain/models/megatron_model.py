@@ -1,6 +1,7 @@
 """The policy as a megatron-core ``GPTModel``, built from a Hugging Face Qwen3/Llama config.
 
-On CPU the local (non-transformer-engine) layer spec is used, with fusions off and
+On CPU the local (non-transformer-engine) layer spec is used (on CUDA also transformer-engine's, see
+:func:`gpt_layer_spec`), with fusions off and
 ``use_cpu_initialization``; :mod:`cotrain.models.megatron_compat` supplies what Megatron expects
 from CUDA. ``core_attention`` can be swapped (context parallelism on CPU goes through
 ``cotrain.parallel``'s adapter). Weight loading goes through :mod:`cotrain.models.convert`, so the
@@ -65,11 +66,67 @@ def transformer_config(arch: ArchSpec, *, dtype: torch.dtype = torch.float32, **
     return TransformerConfig(**kw)
 
 
-def gpt_layer_spec(arch: ArchSpec, core_attention: type | ModuleSpec | None = None) -> ModuleSpec:
-    spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+def have_transformer_engine() -> bool:
+    """Megatron's own test: transformer-engine imports (megatron's ``HAVE_TE``)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    return bool(gpt_layer_specs.HAVE_TE)
+
+
+def resolve_layer_spec(name: str, device: torch.device | str) -> str:
+    """``policy.layer_spec`` on this rank: auto -> transformer_engine when transformer-engine imports and the
+    device is CUDA, else local; a named one as named (validation refuses transformer_engine on CPU or without it)."""
+    if name == "auto":
+        return "transformer_engine" if torch.device(device).type == "cuda" and have_transformer_engine() else "local"
+    if name == "transformer_engine" and not (torch.device(device).type == "cuda" and have_transformer_engine()):
+        raise RuntimeError("policy.layer_spec=transformer_engine needs CUDA and transformer-engine importable here")
+    return name
+
+
+def gpt_layer_spec(arch: ArchSpec, core_attention: type | ModuleSpec | None = None, kind: str = "local") -> ModuleSpec:
+    """Megatron's GPT layer spec: ``local`` (torch modules; CPU and GPU) or ``transformer_engine`` (TE's fused
+    layers, input norms folded into the QKV / FC1 linears: see :data:`TE_NAMES`). ``core_attention``
+    replaces the spec's attention core (cotrain's CP ring, TE's attention on the local spec)."""
+    if kind == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
+    elif kind == "local":
+        spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    else:
+        raise ValueError(f"unknown layer spec {kind!r} (allowed: local, transformer_engine)")
     if core_attention is not None:
         spec.submodules.self_attention.submodules.core_attention = core_attention
     return spec
+
+
+#: local-spec parameter name -> the transformer-engine spec's (its layer norms live inside the linears that
+#: follow them: TELayerNormColumnParallelLinear); every other name is the same in both specs
+TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+            "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+
+
+def _renamed(state: dict, mapping: dict[str, str]) -> dict:
+    out = {}
+    for k, v in state.items():
+        for a, b in mapping.items():
+            if k.endswith("." + a):
+                k = k[: -len(a)] + b
+                break
+        out[k] = v
+    return out
+
+
+def _uses_te_names(model: torch.nn.Module) -> bool:
+    return any(k.endswith(".linear_qkv.layer_norm_weight") for k in model.state_dict())
+
+
+def load_tensor_state(model: torch.nn.Module, state: dict[str, torch.Tensor]):
+    """``model.load_state_dict(state, strict=False)`` for a state in local-spec names (:func:`tensor_state`),
+    whatever the model's spec; returns (missing, unexpected) in the model's names."""
+    if _uses_te_names(model):
+        state = _renamed(state, TE_NAMES)
+    return model.load_state_dict(state, strict=False)
 
 
 def build_gpt_model(
@@ -109,8 +166,10 @@ def layer_offset(model: GPTModel) -> int:
 
 
 def tensor_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The module's state dict without Megatron's ``_extra_state`` entries."""
-    return {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    """The module's state dict without Megatron's ``_extra_state`` entries, in the local spec's names
+    (a transformer-engine spec's norm names mapped back: :data:`TE_NAMES`)."""
+    state = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    return _renamed(state, {b: a for a, b in TE_NAMES.items()}) if _uses_te_names(model) else state
 
 
 def load_megatron_state(model: GPTModel, full: dict[str, torch.Tensor], arch: ArchSpec) -> None:
@@ -119,7 +178,7 @@ def load_megatron_state(model: GPTModel, full: dict[str, torch.Tensor], arch: Ar
     tp_size = model.config.tensor_model_parallel_size
     names = list(tensor_state(model))
     local = convert.to_local(full, names, layer_offset(model), tp_rank, tp_size, arch)
-    missing, unexpected = model.load_state_dict(local, strict=False)
+    missing, unexpected = load_tensor_state(model, local)
     missing = [m for m in missing if not m.endswith("_extra_state")]
     if missing or unexpected:
         raise RuntimeError(f"weight load mismatch: missing={missing} unexpected={unexpected}")

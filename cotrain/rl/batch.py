@@ -28,7 +28,7 @@ class TrainBatch:
 
     def __post_init__(self) -> None:
         if self.lengths is None:  # from the mask: the last response target t predicts token t + 1
-            last = torch.where(self.mask.bool(), torch.arange(self.seq_len), -1).max(dim=1).values
+            last = torch.where(self.mask.bool(), torch.arange(self.seq_len, device=self.mask.device), -1).max(dim=1).values
             self.lengths = torch.clamp(last + 2, max=self.seq_len)
 
     def __len__(self) -> int:
@@ -37,6 +37,12 @@ class TrainBatch:
     @property
     def seq_len(self) -> int:
         return self.inputs.shape[1]
+
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        """Every field on ``device`` (dtypes kept, None stays None): the trainer's one move of a
+        batch onto its device."""
+        return TrainBatch(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))
+                             for f in fields(self)})
 
     def select(self, idx: slice | torch.Tensor) -> "TrainBatch":
         return TrainBatch(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[idx])

@@ -87,7 +87,7 @@ def build_drafter_for(cfg, target, path: Optional[str] = None):
 
 class DraftStage:
     def __init__(self, cfg, model, dtype: torch.dtype, model_path: str, init_dir: Optional[str] = None,
-                 name: str = "draft"):
+                 name: str = "draft", device: torch.device | str = "cpu"):
         from megatron.core import parallel_state as ps
 
         from cotrain.draft.taps import TargetSpec
@@ -95,6 +95,9 @@ class DraftStage:
         self.cfg = cfg
         d = cfg.draft
         self.model = model
+        #: the trainer rank's device: the drafter, its optimizer state and every tensor this stage sends
+        #: over the pipeline live there (NCCL carries CUDA tensors only, gloo CPU ones)
+        self.device = torch.device(device)
         self.cp = ps.get_context_parallel_world_size()
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.pp = ps.get_pipeline_model_parallel_world_size()
@@ -107,7 +110,7 @@ class DraftStage:
         mbs, S = cfg.policy.micro_batch_size, cfg.policy.max_seq_len
         max_tokens = mbs * (-(-(S + 2 * self.cp) // self.cp))
         transport = resolve_tap_transport(d.tap_transport, cfg.cluster.device, cfg.cluster.num_nodes)
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        device = self.device if self.device.type == "cuda" else None
         self.transport = transport
         from cotrain.placement import current_node_id
 
@@ -131,7 +134,7 @@ class DraftStage:
                                      cp_group=ps.get_context_parallel_group() if self.cp > 1 else None)
         if self.is_last:
             target = TargetSpec.from_checkpoint(model_path)
-            drafter = build_drafter_for(cfg, target, init_dir)
+            drafter = build_drafter_for(cfg, target, init_dir).to(self.device)  # before its optimizer is made
             served = cfg.rollout.speculative
             k = served.num_speculative_tokens if served.method == drafter.vllm_method else None
             self.trainer = OnlineDraftTrainer(
@@ -162,12 +165,13 @@ class DraftStage:
         if self.is_first:
             embed = self._tp_gather_rows(gpt.embedding.word_embeddings.weight)
         if self.pp > 1:
-            shape = torch.tensor(list(embed.shape) if embed is not None else [0, 0], dtype=torch.int64)
+            shape = torch.tensor(list(embed.shape) if embed is not None else [0, 0], dtype=torch.int64,
+                                 device=self.device)
             group = ps.get_pipeline_model_parallel_group()
             src = ps.get_pipeline_model_parallel_first_rank()
             dist.broadcast(shape, src=src, group=group)
             if embed is None:
-                embed = torch.empty(*shape.tolist(), dtype=torch.float32)
+                embed = torch.empty(*shape.tolist(), dtype=torch.float32, device=self.device)
             dist.broadcast(embed, src=src, group=group)
         if self.is_last:
             lm_head = self._tp_gather_rows(gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights

@@ -26,9 +26,9 @@ import torch.distributed as dist
 from cotrain.config.validate import total_optimizer_steps
 from cotrain.models import convert
 from cotrain.models.hf_io import load_hf_checkpoint
-from cotrain.models.megatron_compat import model_parallel_manual_seed
+from cotrain.models.megatron_compat import seed_model_parallel
 from cotrain.models.megatron_model import (build_gpt_model, gpt_layer_spec, layer_offset, load_hf_weights,
-                                           tensor_state, transformer_config)
+                                           load_tensor_state, resolve_layer_spec, tensor_state, transformer_config)
 from cotrain.parallel.zigzag import zigzag_merge
 from cotrain.rl.batch import TrainBatch
 from cotrain.rl.grpo import aggregate, grpo_token_losses
@@ -46,38 +46,76 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 GLOBAL_METRICS = ("grad_norm", "optimizer_steps", "lr")
 
 
+def rank_device(kind: str, visible: int | None = None, local_rank: int | None = None) -> torch.device:
+    """The rank's device for ``cluster.device`` = ``kind``: cuda -> ``cuda:0`` of the GPUs this process sees (Ray
+    gives each training actor its own through CUDA_VISIBLE_DEVICES) unless it sees several, then ``cuda:LOCAL_RANK``.
+
+    ``visible`` (default ``torch.cuda.device_count()``) and ``local_rank`` (default ``$LOCAL_RANK``, else 0)
+    are parameters for tests."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind != "cuda":
+        raise ValueError(f"cluster.device={kind!r}: a trainer rank runs on cpu or cuda (auto is resolved when "
+                         "the config is loaded)")
+    visible = torch.cuda.device_count() if visible is None else visible
+    if visible < 1:
+        raise RuntimeError("cluster.device=cuda, but this process sees no GPU (CUDA_VISIBLE_DEVICES="
+                           f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    if visible == 1:
+        return torch.device("cuda", 0)
+    index = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else int(local_rank)
+    if not 0 <= index < visible:
+        raise RuntimeError(f"LOCAL_RANK={index}, but this process sees {visible} GPUs")
+    return torch.device("cuda", index)
+
+
+def policy_layer_spec(cfg, arch, device: torch.device):
+    """The policy's layer spec: ``policy.layer_spec`` (local or transformer-engine's fused layers), its attention
+    core by ``policy.context_parallel_impl``: megatron_te -> TE's attention (Megatron's own CP); cotrain under
+    CP > 1 -> cotrain's ring (:class:`~cotrain.parallel.megatron_adapter.CPBranchCoreAttention`, which takes the
+    spec's q / k / v whatever the linears around it); else the spec's own."""
+    kind = resolve_layer_spec(cfg.policy.layer_spec, device)
+    core = None
+    if cfg.policy.context_parallel_impl == "megatron_te":
+        from megatron.core.extensions.transformer_engine import HAVE_TE, TEDotProductAttention
+
+        if not HAVE_TE:  # megatron then defines placeholders instead of failing its import
+            raise RuntimeError("policy.context_parallel_impl=megatron_te needs transformer-engine, which does not "
+                               "import here (allowed without it: cotrain)")
+        core = TEDotProductAttention
+    elif cfg.policy.parallel.context > 1:
+        from cotrain.parallel.megatron_adapter import CPBranchCoreAttention
+
+        core = CPBranchCoreAttention
+    return gpt_layer_spec(arch, core_attention=core, kind=kind)
+
+
+def _as_tuple(x):
+    """Python's random state as ``random.setstate`` wants it: tuples all the way down (a checkpoint may
+    hand back lists)."""
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
 class MegatronPolicyWorker:
     def __init__(self, cfg, model_path: str, rank: int, world_size: int, master_addr: str, master_port: int,
                  draft_init: str | None = None):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         par = cfg.policy.parallel
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master_addr, str(master_port)
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        #: this rank's device: every batch is moved here once (TrainBatch.to), results leave on the CPU
+        self.device = rank_device(cfg.cluster.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # before NCCL's process group: it binds the current device
+        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
         ps.initialize_model_parallel(tensor_model_parallel_size=par.tensor, pipeline_model_parallel_size=par.pipeline,
                                      context_parallel_size=par.context)
-        model_parallel_manual_seed(cfg.run.seed)
+        seed_model_parallel(cfg.run.seed, self.device)
         self.arch, _, hf_state = load_hf_checkpoint(model_path)
         self.dtype = torch.bfloat16 if cfg.policy.dtype == "bfloat16" else torch.float32
         mcfg = transformer_config(self.arch, dtype=self.dtype)
         mcfg.finalize_model_grads_func = finalize_model_grads
-        # Megatron's own context parallelism lives in transformer-engine's attention
-        # (policy.context_parallel_impl=megatron_te, GPU); otherwise cotrain's ring attention
-        # (cotrain.parallel) plugs in as the core_attention of the local layer spec under CP.
-        self.layer_spec = None
-        if cfg.policy.context_parallel_impl == "megatron_te":
-            from megatron.core.extensions.transformer_engine import HAVE_TE, TEDotProductAttention
-
-            if not HAVE_TE:  # megatron then defines placeholders instead of failing its import
-                raise RuntimeError("policy.context_parallel_impl=megatron_te needs transformer-engine, which does not "
-                                   "import here (allowed without it: cotrain)")
-            self.layer_spec = gpt_layer_spec(self.arch, core_attention=TEDotProductAttention)
-        elif par.context > 1:
-            from cotrain.parallel.megatron_adapter import CPBranchCoreAttention
-
-            self.layer_spec = gpt_layer_spec(self.arch, core_attention=CPBranchCoreAttention)
+        # the layer spec (local or transformer-engine's) and its attention core (TE's, cotrain's CP ring or its own)
+        self.layer_spec = policy_layer_spec(cfg, self.arch, self.device)
         model = build_gpt_model(self.arch, mcfg, layer_spec=self.layer_spec)
         load_hf_weights(model, hf_state, self.arch)
         self.model = DistributedDataParallel(
@@ -115,7 +153,7 @@ class MegatronPolicyWorker:
             from cotrain.rl.draft_stage import DraftStage
 
             self.draft = DraftStage(cfg, self.model, self.dtype, model_path, init_dir=draft_init,
-                                    name=f"draft{master_port}")
+                                    name=f"draft{master_port}", device=self.device)
 
     # ------------------------------------------------------------------ layout
     def info(self) -> dict:
@@ -128,12 +166,13 @@ class MegatronPolicyWorker:
                 and ps.get_context_parallel_rank() == 0)
 
     def _my_shard(self, batch: TrainBatch) -> TrainBatch:
-        """This rank's sequences (DP) and, under CP, its two zigzag chunks of every sequence."""
+        """This rank's sequences (DP) and, under CP, its two zigzag chunks of every sequence, on the rank's
+        device (the one move of the batch: everything the step computes from it stays there)."""
         shard = batch.split(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
         cp = ps.get_context_parallel_world_size()
         if cp > 1:
             shard = shard.zigzag(ps.get_context_parallel_rank(), cp)
-        return shard
+        return shard.to(self.device)
 
     def _gather_cp(self, local: torch.Tensor) -> torch.Tensor:
         """[n, S/cp] zigzag chunks from every CP rank -> [n, S] in sequence order."""
@@ -150,7 +189,7 @@ class MegatronPolicyWorker:
         engines sample from: the tempered logits with vLLM's top-k / top-p filter of
         rollout.sampling (:mod:`cotrain.rl.sampling_filter`: -inf outside the kept set). On the last
         stage ``on_logits`` receives those filtered tempered logits [b, S, V/tp] (detached) first."""
-        pos = torch.arange(mb.seq_len)[None].expand(len(mb), -1)
+        pos = torch.arange(mb.seq_len, device=mb.inputs.device)[None].expand(len(mb), -1)
         logits = model(mb.inputs, pos, None)
         if not ps.is_pipeline_last_stage():
             return logits  # hidden states travelling to the next stage
@@ -202,7 +241,8 @@ class MegatronPolicyWorker:
     # ------------------------------------------------------------------ public API
     def _draft_rows(self, full: TrainBatch) -> list:
         """The drafter's view of each microbatch: whole rows (every position, also under CP) and the
-        rows' indices in the rollout batch."""
+        rows' indices in the rollout batch; on the host (the drafter's index space: its taps and
+        logits come on the device)."""
         from cotrain.draft.online import RolloutRows
 
         offset = ps.get_data_parallel_rank() * len(full)
@@ -237,12 +277,12 @@ class MegatronPolicyWorker:
             if drafting:
                 self.draft.abort()
             raise
-        if last:
-            out["logprobs"] = self._gather_cp(torch.cat([r["lp"] for r in res]))
+        if last:  # results leave on the CPU (the driver and Ray expect host tensors)
+            out["logprobs"] = self._gather_cp(torch.cat([r["lp"] for r in res])).cpu()
         if self.ref_model is not None:
             res = self._run(self.ref_model, micro, collect, forward_only=True)
             if last:
-                out["ref_logprobs"] = self._gather_cp(torch.cat([r["lp"] for r in res]))
+                out["ref_logprobs"] = self._gather_cp(torch.cat([r["lp"] for r in res])).cpu()
         self.model.train()
         return out if self._holds_outputs() else None
 
@@ -310,7 +350,7 @@ class MegatronPolicyWorker:
         scale = len(micro) * dp  # undo Megatron's per-microbatch and DP averaging
         # each sequence's response tokens over the whole row: under CP a rank holds two zigzag chunks
         # of every row, and seq_mean divides by the sequence's count, not the chunks'
-        full = mini.split(dp)[ps.get_data_parallel_rank()]
+        full = mini.split(dp)[ps.get_data_parallel_rank()].to(self.device)
         seq_tokens = {id(mb): rows.mask.sum(dim=1) for mb, rows in zip(micro, self._micro(full))}
 
         def loss_fn(mb, logp):
@@ -347,7 +387,7 @@ class MegatronPolicyWorker:
         if dist.get_world_size(group) == 1 or not ps.is_pipeline_last_stage():
             return metrics
         keys = sorted(k for k in metrics if k not in GLOBAL_METRICS)
-        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)  # NCCL: device tensors
         sums = t.clone()
         dist.all_reduce(sums, group=group)
         maxs = t.clone()
@@ -369,6 +409,52 @@ class MegatronPolicyWorker:
         if not opt.step_with_ready_grads():
             raise RuntimeError("Megatron optimizer step failed")
         return grad_norm
+
+    # ------------------------------------------------------------------ memory (colocated engines)
+    def offload(self) -> None:
+        """Free the device memory the optimizers hold while colocated engines are awake: on CUDA their state
+        (the policy's and the drafter's Adam moments) and, under bf16, the fp32 main parameters move to the CPU, then
+        ``torch.cuda.empty_cache()``; :meth:`onload` brings them back. The weights and gradient buffers stay
+        (the engines' weight push reads them). On CPU both do nothing."""
+        if self.device.type == "cuda":
+            self._move_optimizer(torch.device("cpu"))
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """Undo :meth:`offload` (before the next step)."""
+        if self.device.type == "cuda":
+            self._move_optimizer(None)
+
+    def _move_optimizer(self, device: torch.device | None) -> None:
+        """Copy the optimizer's device tensors (every state tensor, and parameters that are not the
+        model's: bf16's fp32 main copies) onto ``device``, remembering where each was; ``None`` copies
+        them back there. In place of the tensors: every holder (the optimizer's state, Megatron's
+        main-parameter groups) keeps the same objects."""
+        model = {id(p) for m in (self.model, self.draft_modules()) for p in m.parameters()}
+        home = getattr(self, "_optimizer_home", {})
+        subs = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        optimizers = [sub.optimizer for sub in subs]
+        if self.draft is not None and self.draft.trainer is not None:
+            optimizers.append(self.draft.trainer.optimizer)  # the drafter's AdamW: its moments too
+        for inner in optimizers:
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    holders = [] if id(p) in model else [p]
+                    holders += [t for t in inner.state.get(p, {}).values() if isinstance(t, torch.Tensor)]
+                    for t in holders:
+                        if device is None:
+                            if id(t) in home:
+                                t.data = t.data.to(home.pop(id(t)), copy=True)
+                        else:
+                            home.setdefault(id(t), t.device)
+                            t.data = t.data.to(device, copy=True)
+        self._optimizer_home = home
+
+    def draft_modules(self) -> torch.nn.Module:
+        """The co-trained drafter on this rank (an empty module where there is none)."""
+        if self.draft is not None and self.draft.trainer is not None:
+            return self.draft.trainer.drafter
+        return torch.nn.Module()
 
     # ------------------------------------------------------------------ weights and checkpoints
     def full_policy_state(self) -> dict[str, torch.Tensor] | None:
@@ -419,7 +505,7 @@ class MegatronPolicyWorker:
         if not self._draft_holder():
             return None
         d = self.draft.trainer.drafter
-        return d.embed_weight.clone(), d.target_lm_head.clone()
+        return d.embed_weight.detach().cpu().clone(), d.target_lm_head.detach().cpu().clone()
 
     def export(self, kind: str, version: int, transport_name: str) -> dict | None:
         """Publish the full policy or the drafter through a weight transport; the handle on rank 0.
@@ -467,20 +553,49 @@ class MegatronPolicyWorker:
         if getattr(self, "_transport", None) is not None:
             self._transport.release(handle)
 
+    def _rng_state(self) -> dict:
+        """Every RNG stream the step draws from: torch's CPU generator, Python's (a plain tuple), the
+        model-parallel tracker's named streams (Megatron's CUDA tracker on CUDA, the CPU stand-in on CPU)
+        and on CUDA this device's generator; tensors and plain containers only (weights_only loads)."""
+        from megatron.core.tensor_parallel import random as mrandom
+
+        state = {"torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
+                 "rng_tracker": {k: v.clone() for k, v in mrandom.get_cuda_rng_tracker().get_states().items()}}
+        if self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def _set_rng_state(self, state: dict, path: Path) -> None:
+        from megatron.core.tensor_parallel import random as mrandom
+
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(_as_tuple(state["py_rng"]))
+        if "rng_tracker" in state:  # older checkpoints: the tracker as seeded at start-up
+            mrandom.get_cuda_rng_tracker().set_states({k: v.clone() for k, v in state["rng_tracker"].items()})
+        if self.device.type == "cuda":
+            if "cuda_rng" not in state:
+                raise RuntimeError(f"{path} holds no CUDA RNG state (saved on CPU); an exact resume on CUDA needs one "
+                                   "saved on CUDA")
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+
     def save_checkpoint(self, directory: str) -> None:
         from cotrain.rl.checkpoint import atomic_torch_save
 
         state = {"model": tensor_state(self.model.module), "optimizer": self.optimizer.state_dict(),
                  "steps_done": self.steps_done, "updates_done": self.updates_done,
-                 "scheduler": self.scheduler.state_dict(), "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}
+                 "scheduler": self.scheduler.state_dict(), **self._rng_state()}
         if self.draft is not None and self.draft.trainer is not None:
             state["draft"] = self.draft.trainer.state_dict()
         atomic_torch_save(state, Path(directory) / f"trainer_rank{self.rank:04d}.pt")
 
     def load_checkpoint(self, directory: str) -> None:
+        from cotrain.rl.checkpoint import load_plain
+
         path = Path(directory) / f"trainer_rank{self.rank:04d}.pt"
-        state = torch.load(path, weights_only=False)
-        missing, unexpected = self.model.module.load_state_dict(state["model"], strict=False)
+        # tensors and plain containers only (a pickled object is refused, naming the file); read onto the
+        # CPU (RNG states must be CPU tensors), the load_state_dicts copy onto the parameters' device
+        state = load_plain(path, map_location="cpu")
+        missing, unexpected = load_tensor_state(self.model.module, state["model"])
         missing = [m for m in missing if not m.endswith("_extra_state")]
         if missing or unexpected:
             raise RuntimeError(f"checkpoint {directory} does not match the model: missing={missing} "
@@ -490,8 +605,7 @@ class MegatronPolicyWorker:
         self.updates_done = state.get("updates_done", self.steps_done)  # older checkpoints: one step per update
         self.scheduler.num_steps = 0  # load_state_dict steps it forward from here
         self.scheduler.load_state_dict(state.get("scheduler", {**self.scheduler.state_dict(), "num_steps": self.steps_done}))
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["py_rng"])
+        self._set_rng_state(state, path)
         if self.draft is not None and self.draft.trainer is not None:
             if "draft" not in state:
                 raise RuntimeError(f"{path} holds no drafter state (saved without draft.cotrain); resume with the "

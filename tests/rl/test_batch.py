@@ -61,3 +61,27 @@ def test_context_parallel_shards_by_hand():
     emb = torch.arange(8.0).view(8, 1, 1, 1) * torch.ones(8, 1, 1, 3)  # [s, b, 1, dim]
     assert pos_emb_on_this_cp_rank(emb, 0, Group(0))[:, 0, 0, 0].tolist() == [0, 1, 6, 7]
     assert pos_emb_on_this_cp_rank(emb, 0, Group(1))[:, 0, 0, 0].tolist() == [2, 3, 4, 5]
+
+
+def test_to_moves_every_field():
+    """TrainBatch.to puts every field (optional ones included) on the device and keeps the values and
+    dtypes: on the meta device (no data) every field must report it, and back on CPU nothing changed."""
+    from dataclasses import fields
+
+    a = _sample([5, 6, 7], [8, 9, 2], [-0.1, -0.2, -0.3])
+    b = _sample([5, 6], [4], [-0.5])
+    batch = build_batch([a, b], [1.0, -1.0], pad_id=0, multiple_of=4)
+    batch.old_logprobs = batch.rollout_logprobs - 0.5
+    batch.ref_logprobs = batch.rollout_logprobs * 2
+    names = [f.name for f in fields(batch)]
+    assert all(getattr(batch, n) is not None for n in names)  # every field is exercised
+    meta = batch.to("meta")
+    for n in names:
+        assert getattr(meta, n).device.type == "meta", n
+        assert getattr(meta, n).dtype == getattr(batch, n).dtype and getattr(meta, n).shape == getattr(batch, n).shape, n
+    back = batch.to(torch.device("cpu"))
+    for n in names:
+        assert torch.equal(getattr(back, n), getattr(batch, n)), n
+    # optional fields left unset stay None
+    bare = build_batch([a, b], [1.0, -1.0], pad_id=0).to("meta")
+    assert bare.old_logprobs is None and bare.ref_logprobs is None and bare.lengths.device.type == "meta"
