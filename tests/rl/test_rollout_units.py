@@ -1,7 +1,8 @@
-"""Rollout pieces that need no engine: transports, push validation, the sampler repair, splitting.
+"""Rollout pieces that need no engine: what an engine's pushes must carry (its checkpoint, the
+modules a drafter borrows), the sampler repair, splitting, config -> EngineSpec.
 
-Fast (no vLLM engine, no Ray). The GPU transports (vLLM's engines) are in test_weight_transfer.py
-(their cotrain side, with stand-in engines) and test_weight_push_gpu.py (``gpu`` marker).
+Fast (no vLLM engine, no Ray). The transports and the handle checks are tested in tests/weights/;
+their vLLM side in test_weight_transfer.py (stand-in engines) and test_weight_push_gpu.py (``gpu``).
 """
 
 from __future__ import annotations
@@ -11,85 +12,7 @@ import os
 import pytest
 import torch
 
-from cotrain.weights import WeightPushError, check_manifest, make_transport, manifest_of, receiver_for, resolve_transport_name
-from cotrain.weights.transports.shm import ShmTransport
-
-
-def _weights() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    w = {"a.weight": torch.randn(3, 4, generator=g), "b.bias": torch.arange(5),
-         "c.weight": torch.randn(2, 2, generator=g).to(torch.bfloat16)}
-    w["tied.weight"] = w["a.weight"]  # shares storage: safetensors would refuse it as is
-    return w
-
-
-EXPECTED = {"a.weight": ([3, 4], "float32"), "b.bias": ([5], "int64"), "c.weight": ([2, 2], "bfloat16"),
-            "tied.weight": ([3, 4], "float32")}
-
-
-# ------------------------------------------------------------------------------------ shm
-def test_shm_round_trip_and_release(tmp_path):
-    t = ShmTransport(str(tmp_path))
-    w = _weights()
-    h = t.send(w, 7)
-    assert h["transport"] == "shm" and h["version"] == 7 and os.path.exists(h["path"])
-    assert [row[0] for row in h["manifest"]] == list(w)  # the sender's order
-    got = receiver_for(h).receive(h)  # a fresh receiver, as in the engine process
-    assert list(got) == list(w)
-    for n in w:
-        assert got[n].dtype == w[n].dtype and torch.equal(got[n], w[n])
-    t.release(h)
-    assert not os.path.exists(h["path"])
-    t.release(h)  # idempotent
-    with pytest.raises(WeightPushError, match="does not exist"):
-        receiver_for(h).receive(h)
-
-
-def test_shm_defaults_to_dev_shm():
-    assert ShmTransport().directory in ("/dev/shm", __import__("tempfile").gettempdir())
-
-
-def test_transport_factory():
-    assert resolve_transport_name("auto") == ("cuda_ipc" if torch.cuda.is_available() else "shm")
-    assert resolve_transport_name("auto", colocated=False) == ("nccl" if torch.cuda.is_available() else "shm")
-    assert isinstance(make_transport("shm"), ShmTransport)
-    with pytest.raises(ValueError, match="allowed: auto, shm, object_store, cuda_ipc, nccl"):
-        make_transport("carrier-pigeon")
-    with pytest.raises(ValueError, match="master_addr, master_port, world_size"):
-        make_transport("nccl")
-    with pytest.raises(WeightPushError, match="allowed: shm, object_store, cuda_ipc, nccl"):
-        receiver_for({"transport": "floppy", "version": 1, "manifest": []})
-    for name, backend in (("nccl", "'nccl'"), ("cuda_ipc", "'ipc'")):  # vLLM's engines receive those
-        with pytest.raises(WeightPushError, match=f"received by vLLM's {backend} weight-transfer engine"):
-            receiver_for({"transport": name, "version": 1, "manifest": []})
-
-
-# ------------------------------------------------------------------------------- manifests
-def test_check_manifest_accepts_a_full_push_and_float_casts():
-    check_manifest(manifest_of(_weights()), EXPECTED)
-    m = manifest_of(_weights())
-    m[0][2] = "bfloat16"  # fp32 parameter, bf16 push: the engine casts on load
-    check_manifest(m, EXPECTED)
-
-
-@pytest.mark.parametrize("mutate, pattern", [
-    (lambda m: m.append(["z.weight", [1], "float32"]), r"1 unknown name\(s\): 'z.weight' .*named like"),
-    (lambda m: m.pop(1), r"1 missing name\(s\): 'b.bias' \(a policy push must carry all 4 tensors\)"),
-    (lambda m: m[0].__setitem__(1, [4, 3]), r"1 shape mismatch\(es\): 'a.weight' expected \[3, 4\] got \[4, 3\]"),
-    (lambda m: m[1].__setitem__(2, "float32"), r"1 dtype mismatch\(es\): 'b.bias' expected int64 got float32"),
-    (lambda m: m.append(list(m[0])), r"1 duplicated name\(s\): 'a.weight'"),
-])
-def test_check_manifest_names_the_offenders(mutate, pattern):
-    m = manifest_of(_weights())
-    mutate(m)
-    with pytest.raises(WeightPushError, match=pattern):
-        check_manifest(m, EXPECTED)
-
-
-def test_check_manifest_forbidden_names():
-    m = manifest_of(_weights()) + [["lm_head.weight", [3, 4], "float32"]]
-    with pytest.raises(WeightPushError, match=r"not allowed in a draft push: 'lm_head.weight' \(shared\)"):
-        check_manifest(m, EXPECTED, kind="draft", forbidden={"lm_head.weight": "shared"})
+from cotrain.weights import WeightPushError
 
 
 def test_shared_with_target_is_by_identity():
@@ -204,38 +127,6 @@ def test_engine_memory_defaults_are_the_configs(monkeypatch):
     assert kw["gpu_memory_utilization"] == gpu.rollout.gpu_memory_utilization == 0.85
     assert "kv_cache_memory_bytes" not in kw and kw["enforce_eager"] is False
     assert engine_kwargs("m", kv_cache_memory_bytes=5)["kv_cache_memory_bytes"] == 5  # an explicit size alone
-
-
-def test_push_through_releases_whatever_the_load_does():
-    from cotrain.weights import WeightPushError, WeightTransport, push_through
-
-    class Recording(WeightTransport):
-        name = "rec"
-
-        def __init__(self):
-            self.log = []
-
-        def send(self, named_tensors, version):
-            self.log.append(("send", version))
-            return {"version": version}
-
-        def receive(self, handle):
-            raise NotImplementedError
-
-        def release(self, handle):
-            self.log.append(("release", handle["version"]))
-
-    t = Recording()
-    stats = push_through(t, {}, 3, lambda h: {"push_s": 1.0, "seen": h["version"]})
-    assert stats["seen"] == 3 and stats["send_s"] >= 0 and t.log == [("send", 3), ("release", 3)]
-
-    def reject(h):
-        t.log.append(("load", h["version"]))
-        raise WeightPushError("rejected")
-
-    with pytest.raises(WeightPushError, match="rejected"):
-        push_through(t, {}, 4, reject)
-    assert t.log[2:] == [("send", 4), ("load", 4), ("release", 4)]
 
 
 def test_draft_pushes_need_a_drafter_network():
