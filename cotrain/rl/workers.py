@@ -36,6 +36,12 @@ class TrainingWorker:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def visible_gpus(self) -> dict:
+        """The GPU ids Ray gave this rank and what CUDA sees (``CUDA_VISIBLE_DEVICES``)."""
+        import os
+
+        return {"gpu_ids": [str(g) for g in ray.get_gpu_ids()], "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
     def rendezvous_address(self) -> tuple[str, int]:
         from cotrain.distributed import find_free_port
 
