@@ -327,7 +327,7 @@ def dead_source(rank, world):
 
 
 def gpu_roundtrip(rank, world, transport):
-    """Rank 0 writes CUDA taps through ``transport`` (cuda_ipc or nccl); rank 1 reads them on its GPU."""
+    """Rank 0 writes CUDA taps through ``transport`` (nccl: one GPU per rank); rank 1 reads them on its GPU."""
     dev = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(dev)
     from cotrain.tapchannel import PipelineLayout, TapChannel, TapSpec
@@ -348,57 +348,3 @@ def gpu_roundtrip(rank, world, transport):
         ch.end_step()
     ch.close()
     return got
-
-
-def _sleep_cycles(dev, seconds: float) -> int:
-    """GPU clock cycles of ``torch.cuda._sleep`` that keep a stream busy for about ``seconds``."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    cycles = 10_000_000
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    end.synchronize()
-    return int(cycles * seconds / max(start.elapsed_time(end) / 1e3, 1e-6))
-
-
-def gpu_release_order(rank, world, sleep_s=0.5):
-    """cuda_ipc, 2 slots. The writer (rank 0) writes microbatches 0..3 back to back, so microbatch 2 waits
-    for slot 0 and 3 for slot 1 and overwrites each the moment it is released. The reader (rank 1) holds
-    its stream busy (``torch.cuda._sleep``) before the copy-out of microbatch 0, and before a kernel
-    that reads the zero-copy view of microbatch 1: those reads must still see microbatches 0 and 1."""
-    dev = torch.device("cuda", 0)  # both processes on one GPU (IPC handles name it by index)
-    torch.cuda.set_device(dev)
-    from cotrain.tapchannel import PipelineLayout, TapChannel, TapSpec
-
-    layout = PipelineLayout.even([0, 1], num_layers=2)
-    ch = TapChannel([TapSpec(0, W, torch.float32).resolve(layout)], layout, "cuda_ipc", max_tokens=8, slots=2,
-                    timeout_s=60, name="gpu-order", device=dev)
-    value = lambda mb: torch.full((8, W), float(mb + 1), device=dev)  # noqa: E731
-    ch.begin_step(4)
-    out = {}
-    if rank == 0:
-        waited = []
-        for mb in range(4):
-            t0 = time.monotonic()
-            ch.write(0, mb, value(mb))
-            waited.append(time.monotonic() - t0)
-        out["write_s"] = waited
-    else:
-        cycles = _sleep_cycles(dev, sleep_s)
-        slow = torch.cuda.Stream(dev)
-        with torch.cuda.stream(slow):
-            torch.cuda._sleep(cycles)  # the copy-out below runs only after this
-            got0 = ch.read(0)[0]  # queued, then the slot is released: the writer is waiting for it
-            torch.cuda._sleep(cycles)
-            with ch.reading(1) as views:  # zero-copy: a kernel queued after the sleep reads the view
-                got1 = views[0] * 1
-        torch.cuda.current_stream(dev).wait_stream(slow)
-        got2, got3 = ch.read(2)[0], ch.read(3)[0]
-        torch.cuda.synchronize(dev)
-        out["got"] = [g[0, 0].item() for g in (got0, got1, got2, got3)]
-        out["uniform"] = all(bool((g == g[0, 0]).all()) for g in (got0, got1, got2, got3))
-        out["sleep_s"] = sleep_s
-    ch.end_step()
-    dist.barrier()
-    ch.close()
-    return out
