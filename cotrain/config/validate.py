@@ -79,6 +79,11 @@ def load_model_arch(model_path: str, key: str = "policy.model_path") -> ModelArc
             raise ConfigError([(key, f"cannot read {cfg_file}: {e}")]) from None
         raw = raw.get("text_config", raw) if "num_hidden_layers" not in raw else raw
         source = str(cfg_file)
+        from cotrain.models.hf_io import safetensors_problems
+
+        bad = [m for f in sorted(cfg_file.parent.glob("*.safetensors")) if (m := safetensors_problems(f))]
+        if bad:
+            raise ConfigError([(key, f"{'; '.join(bad)} (allowed: a checkpoint whose weight files are complete)")])
     missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size") if not isinstance(raw.get(k), int)]
     if missing:
         raise ConfigError([(key, f"{source} lacks integer {', '.join(missing)}")])
@@ -598,6 +603,10 @@ def check_draft_init(cfg: CotrainConfig, arch: ModelArch) -> list[Issue]:
     kind = meta.get("kind") or config.get("cotrain", {}).get("kind")
     if kind is None:
         return [(key, f"{init} is not a cotrain drafter (no cotrain_drafter.json or config.json 'cotrain' section)")]
+    from cotrain.models.hf_io import safetensors_problems
+
+    if (bad := safetensors_problems(p / "model.safetensors")) is not None:
+        return [(key, f"{bad} (allowed: a complete drafter export, distill:<yaml>, or null = from scratch)")]
     settings = dict(meta.get("settings") or {})
     settings.setdefault("tap_layers", config.get("cotrain", {}).get("tap_layers"))
     hidden = config.get("target_hidden_size", config.get("hidden_size"))
@@ -683,6 +692,10 @@ def _check_problems(cfg: CotrainConfig) -> list[Issue]:
     if data.task == "jsonl" and len(train) < P:  # (prompts are held out only when P distinct ones remain)
         issues.append(("data.jsonl.path", f"{data.jsonl.path!r} has {len(train)} prompts, fewer than "
                        f"grpo.prompts_per_step={P} (allowed: a file with >= {P} lines)"))
+    elif data.task == "jsonl" and (distinct := len({p.prompt for p in train})) < P:
+        issues.append(("data.jsonl.path", f"{data.jsonl.path!r} has {len(train)} training prompts but only "
+                       f"{distinct} distinct ones, fewer than grpo.prompts_per_step={P}: every step would repeat "
+                       f"prompts within its own batch (allowed: >= {P} distinct prompts)"))
     if e.every and not evals and not issues:
         where = (f"every prompt of {e.path} is also a training prompt" if e.path is not None else
                  f"the training data has no prompts to hold out beyond one step's grpo.prompts_per_step={P}")
@@ -699,7 +712,31 @@ def _check_problems(cfg: CotrainConfig) -> list[Issue]:
                        f"max_steps={g.max_steps}) has only {len(evals)} distinct problems outside its "
                        f"{g.num_prompts} training prompts (allowed: <= {len(evals)}, or a larger max_value)"))
     issues += check_prompt_lengths(cfg, train + evals)
+    if data.task == "jsonl" or e.path is not None:  # the built-in tasks are generated inside the vocabulary
+        issues += check_vocabulary(cfg, [p for p in train + evals if p.source])
     return issues
+
+
+def check_vocabulary(cfg: CotrainConfig, problems: list, tokenizer: Any = None, limit: int = 3) -> list[Issue]:
+    """Prompts and answers whose text the policy's tokenizer turns into its unknown token (the built-in
+    character tokenizer knows printable ASCII only): the policy would see ``<unk>`` for them and an
+    answer could never be matched. Named by file and line, with the characters."""
+    tok = tokenizer or load_policy_tokenizer(cfg.policy.model_path)
+    unk = getattr(tok, "unk_token_id", None)
+    if unk is None or not problems:
+        return []
+    texts = [t for p in problems for t in (p.prompt, p.answer)]
+    ids = tok(texts, add_special_tokens=False)["input_ids"]
+    bad = []
+    for i, p in enumerate(problems):
+        for what, text, row in (("prompt", p.prompt, ids[2 * i]), ("answer", p.answer, ids[2 * i + 1])):
+            if unk in row:
+                chars = sorted({c for c in text if unk in tok(c, add_special_tokens=False)["input_ids"]})
+                bad.append(f"{p.source}: the {what} {text[:30]!r} has characters the policy's tokenizer does not "
+                           f"know ({''.join(chars)!r}: they become {tok.unk_token!r})")
+    key = "data.eval.path" if cfg.data.task != "jsonl" else "data.jsonl.path"
+    more = [f"... and {len(bad) - limit} more"] if len(bad) > limit else []
+    return [(key, f"{m} (allowed: text the tokenizer covers; builtin models: printable ASCII)") for m in bad[:limit] + more]
 
 
 def check_prompt_lengths(cfg: CotrainConfig, problems: list, tokenizer: Any = None) -> list[Issue]:
@@ -773,7 +810,28 @@ def check_checkpoint(cfg: CotrainConfig) -> list[Issue]:
     why = conflict(cfg)
     if why is not None:
         issues.append(("run.output_dir", why))
+    for key, folder in (("run.output_dir", cfg.run.output_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        if folder is not None and (why := unwritable(Path(folder))) is not None:
+            issues.append((key, f"{folder!r}: {why} (allowed: a folder this user can create and write)"))
     return issues
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why the run could not create or write ``folder`` (None: it could)."""
+    p = folder.absolute()
+    while not p.exists():
+        p = p.parent
+    if not p.is_dir():
+        return f"{p} is a file, not a folder"
+    import tempfile
+
+    try:  # a real write (root passes os.access checks; a read-only file system does not take the file)
+        with tempfile.TemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        what = f"{p} is not writable" if p == folder.absolute() else f"cannot be created: {p} is not writable"
+        return f"{what} ({e.strerror})"
+    return None
 
 
 def resume_issues(cfg: CotrainConfig, step_dir: Path | None = None) -> list[Issue]:

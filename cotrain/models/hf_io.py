@@ -49,3 +49,30 @@ def save_safetensors_atomic(state: dict[str, torch.Tensor], path: str | Path) ->
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def safetensors_problems(path: str | Path) -> str | None:
+    """Why ``path`` is not a complete safetensors file (None: it is), from its header alone: the
+    8-byte header length, the JSON header, and every tensor's data inside the file (a truncated
+    copy keeps its header but loses the end of its data)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{path}: {size} bytes, too short for a safetensors header"
+            n = int.from_bytes(head, "little")
+            if n > size - 8:
+                return f"{path}: its header claims {n} bytes, the file has {size} (truncated or not safetensors)"
+            header = json.loads(f.read(n))
+    except OSError as e:
+        return f"{path}: cannot read ({e.strerror})"
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"{path}: not a safetensors file (unreadable header: {e})"
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)
+            and "data_offsets" in t]
+    need = 8 + n + max(ends, default=0)
+    if size < need:
+        return f"{path}: {size} bytes, its header needs {need} (truncated)"
+    return None

@@ -56,33 +56,35 @@ def load_jsonl(path: str | Path, prompt_key: str = "prompt", answer_key: str = "
     path = Path(path)
     problems = []
     try:
-        f = path.open(encoding="utf-8")
+        f = path.open("rb")
     except OSError as e:
         raise ValueError(f"{path}: cannot read ({e.strerror})") from None
     with f:
-        try:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-                if not isinstance(row, dict):
-                    raise ValueError(f"{where}: expected a JSON object with keys {prompt_key!r} and "
-                                     f"{answer_key!r}, got {type(row).__name__} {line.strip()[:40]}")
-                for key in (prompt_key, answer_key):
-                    if key not in row:
-                        raise ValueError(f"{where}: missing key {key!r} (found: {sorted(row)})")
-                prompt, answer = row[prompt_key], row[answer_key]
-                if not isinstance(prompt, str) or not prompt:
-                    raise ValueError(f"{where}: {prompt_key!r} must be a non-empty string, got {prompt!r}"[:200])
-                if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-                    raise ValueError(f"{where}: {answer_key!r} must be a string or a number, got {answer!r}"[:200])
-                problems.append(Problem(prompt=prompt, answer=str(answer), source=where))
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start} of the line: "
+                                 f"{raw[max(0, e.start - 10):e.start + 10]!r})") from None
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: expected a JSON object with keys {prompt_key!r} and "
+                                 f"{answer_key!r}, got {type(row).__name__} {line.strip()[:40]}")
+            for key in (prompt_key, answer_key):
+                if key not in row:
+                    raise ValueError(f"{where}: missing key {key!r} (found: {sorted(row)})")
+            prompt, answer = row[prompt_key], row[answer_key]
+            if not isinstance(prompt, str) or not prompt:
+                raise ValueError(f"{where}: {prompt_key!r} must be a non-empty string, got {prompt!r}"[:200])
+            if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+                raise ValueError(f"{where}: {answer_key!r} must be a string or a number, got {answer!r}"[:200])
+            problems.append(Problem(prompt=prompt, answer=str(answer), source=where))
     if not problems:
         raise ValueError(f"{path}: no problems found")
     return problems

@@ -173,12 +173,13 @@ def pick_uncertain_prompt(model, tok, candidates, eos_id, pooled_n: int = 0, min
     return best, dists[best]
 
 
-def sample_first_two(llm, prompt, n, seed0=1000):
+def sample_first_two(llm, prompt, n, seed0=1000, top_k: int = 0, top_p: float = 1.0):
     """Counts of the first two tokens over n temperature-1 samples with fixed per-request seeds,
     the number of verification rounds whose first draft was accepted, and the number of rounds."""
     from vllm import SamplingParams
 
-    params = [SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=2, seed=seed0 + i) for i in range(n)]
+    params = [SamplingParams(temperature=1.0, top_p=top_p, top_k=top_k, max_tokens=2, seed=seed0 + i)
+              for i in range(n)]
     outs = llm.generate([prompt] * n, params, use_tqdm=False)
     counts: dict = {}
     first_accepted = rounds = 0
@@ -232,35 +233,51 @@ def check_runtime_push(served: Served, target) -> None:
 
 
 class _Scaled:
-    """A HF model with its logits divided by a temperature."""
+    """A HF model with its logits divided by a temperature, then (``top_k`` > 0, ``top_p`` < 1)
+    vLLM's top-k / top-p filter applied: the distribution vLLM's sampler draws from."""
 
-    def __init__(self, model, t):
-        self.model, self.t = model, t
+    def __init__(self, model, t, top_k: int = 0, top_p: float = 1.0):
+        self.model, self.t, self.top_k, self.top_p = model, t, top_k, top_p
 
     def __call__(self, **kw):
+        from cotrain.rl.sampling_filter import keep_mask
+
         out = self.model(**kw)
         out.logits = out.logits / self.t
+        if self.top_k or self.top_p < 1.0:
+            out.logits = out.logits.masked_fill(~keep_mask(out.logits.float(), self.top_k, self.top_p), float("-inf"))
         return out
 
 
 def check_temperature_one(served: Served, hf_target, target, n: int = 2000, pooled: bool = False,
-                          min_cell: float = 1e-9) -> None:
+                          min_cell: float = 1e-9, top_k: int = 0, top_p: float = 1.0, tries: int = 1) -> None:
     """(3) at temperature 1 the first two sampled tokens follow the target's exact distribution
-    (= target-only sampling): chi-square with fixed per-request seeds. Needs cotrain's CPU repair of
-    vLLM's rejection sampler (cotrain.rl.vllm.sampler_fix)."""
+    (= target-only sampling; with ``top_k`` / ``top_p``, the target's filtered distribution): chi-square
+    with fixed per-request seeds. Needs cotrain's CPU repair of vLLM's rejection sampler
+    (cotrain.rl.vllm.sampler_fix)."""
     from cotrain.rl.vllm.sampler_fix import cpu_rejection_sampler_fixed
 
     model, tok = hf_target
     if not torch.cuda.is_available():
         assert cpu_rejection_sampler_fixed()  # in-process engine: the repair is in this process
-    prompt, exact = pick_uncertain_prompt(model, tok, served.prompts[:40], target.eos_token_id, n if pooled else 0,
-                                          min_cell)
-    counts, first_accepted, rounds = sample_first_two(served.llm, prompt, n=n)
-    # both verification outcomes occur (the first draft is accepted in some rounds, rejected in others)
+    if top_k or top_p < 1.0:
+        model = _Scaled(model, 1.0, top_k, top_p)
+    candidates = list(served.prompts[:40])
+    for attempt in range(tries):
+        prompt, exact = pick_uncertain_prompt(model, tok, candidates, target.eos_token_id, n if pooled else 0,
+                                              min_cell)
+        counts, first_accepted, rounds = sample_first_two(served.llm, prompt, n=n, top_k=top_k, top_p=top_p)
+        # both verification outcomes occur (the first draft is accepted in some rounds, rejected in
+        # others); a filter can leave the most uncertain prompt with a drafter that is never right
+        # there (then the next most uncertain prompt is tried)
+        if rounds > 0.75 * n and min(first_accepted, rounds - first_accepted) >= 20:
+            break
+        candidates.remove(prompt)
     assert rounds > 0.75 * n and min(first_accepted, rounds - first_accepted) >= 20, (first_accepted, rounds)
     stat, df, p = chi_square(counts, exact)
     assert p > 1e-3, (stat, df, p, prompt)
     # power: the same counts against the target at temperature 1.3 are rejected
-    hot = first_two_tokens_distribution(_Scaled(model, 1.3), tok.encode(prompt), target.eos_token_id, min_cell=min_cell)
+    hot = first_two_tokens_distribution(_Scaled(hf_target[0], 1.3, top_k, top_p), tok.encode(prompt),
+                                        target.eos_token_id, min_cell=min_cell)
     assert chi_square(counts, hot)[2] < 1e-6
     served.extra["chi2"] = {"stat": stat, "df": df, "p": p, "prompt": prompt, "first_accept_rate": first_accepted / rounds}

@@ -33,3 +33,11 @@ def test_runtime_draft_push_changes_acceptance_not_outputs(served, target):
 
 def test_temperature_one_sampling_matches_the_target(served, hf_target, target):
     S.check_temperature_one(served, hf_target, target)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (0, 0.8)])
+def test_top_k_top_p_sampling_with_speculation_matches_the_filtered_target(served, hf_target, target, top_k, top_p):
+    """top-k / top-p with speculative decoding: the engine does not crash on a step without draft rows
+    (vLLM's CPU top-k on an empty batch; cotrain.rl.vllm.sampler_fix) and stays lossless for the
+    target's filtered distribution."""
+    S.check_temperature_one(served, hf_target, target, top_k=top_k, top_p=top_p)

@@ -223,3 +223,57 @@ def test_resume_refuses_what_the_checkpoint_cannot_follow(tmp_path, override, ke
     assert workers.log == []
     # a drafter kind not in use is not compared
     _cfg(out, "checkpoint.resume=true", "draft.eagle3.num_layers=3")
+
+
+# ----------------------------------------------------------------- bad inputs named before any worker starts
+def test_a_truncated_drafter_or_policy_weight_file_is_named_at_validation(tmp_path, tiny_model_path):
+    import shutil
+
+    from cotrain.models.hf_io import safetensors_problems
+
+    policy = tmp_path / "policy"
+    shutil.copytree(tiny_model_path, policy)
+    weights = next(policy.glob("*.safetensors"))
+    assert safetensors_problems(weights) is None
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) - 100])
+    assert "truncated" in safetensors_problems(weights)
+    with pytest.raises(ConfigError) as e:
+        _cfg(tmp_path / "run", f"policy.model_path={policy}")
+    assert e.value.issues[0][0] == "policy.model_path" and str(weights) in str(e.value)
+    weights.write_bytes(data[:5])
+    assert "too short" in safetensors_problems(weights)
+    weights.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    assert "not a safetensors file" in safetensors_problems(weights)
+
+
+def test_a_folder_that_cannot_be_written_is_refused(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError) as e:
+        _cfg(blocker / "run")
+    assert e.value.issues[0][0] == "run.output_dir" and "is a file, not a folder" in str(e.value)
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_jsonl_prompts_duplicates_unknown_characters_and_bad_bytes(tmp_path):
+    base = ["data.task=jsonl", "data.eval.every=0"]
+    dup = _jsonl(tmp_path / "dup.jsonl", [{"prompt": f"{i % 2}+1=", "answer": i % 2 + 1} for i in range(40)])
+    with pytest.raises(ConfigError, match="only 2 distinct ones, fewer than grpo.prompts_per_step=4"):
+        _cfg(tmp_path / "r1", *base, f"data.jsonl.path={dup}")
+    rows = [{"prompt": f"{i}+1=", "answer": i + 1} for i in range(40)]
+    rows[7] = {"prompt": "3×4=", "answer": 12}
+    uni = _jsonl(tmp_path / "uni.jsonl", rows)
+    with pytest.raises(ConfigError) as e:
+        _cfg(tmp_path / "r2", *base, f"data.jsonl.path={uni}")
+    assert f"{uni}:8: the prompt '3×4=' has characters the policy's tokenizer does not know ('×'" in str(e.value)
+    raw = _jsonl(tmp_path / "bytes.jsonl", [{"prompt": f"{i}+1=", "answer": i + 1} for i in range(40)])
+    lines = raw.read_bytes().split(b"\n")
+    lines[12] = b'{"prompt": "1+\xff=", "answer": 2}'
+    raw.write_bytes(b"\n".join(lines))
+    with pytest.raises(ConfigError, match=f"{raw}:13: not UTF-8 text \\(invalid start byte at byte 14 of the line"):
+        _cfg(tmp_path / "r3", *base, f"data.jsonl.path={raw}")

@@ -1,10 +1,17 @@
-"""The CPU rejection-sampler repair, installed in every vLLM worker process (by
+"""The CPU rejection-sampler repairs, installed in every vLLM worker process (by
 :mod:`cotrain.rl.vllm.extension`).
 
-On CPU, vLLM's ``expand_batch_to_tokens`` (rejection sampler) falls back to a kernel that writes into
-a temporary int64 copy and returns uninitialised memory, so speculative decoding at temperature > 0
-divides the target logits by garbage and stops being lossless (STACK.md). This module replaces it by
-a pure-torch version. Set ``COTRAIN_VLLM_SAMPLER_FIX=0`` to see the defect.
+On CPU (vLLM without Triton), speculative decoding at temperature > 0 meets two defects of vLLM 0.32's
+rejection sampler (``vllm/v1/sample/rejection_sampler.py``), both repaired here:
+
+- ``expand_batch_to_tokens`` falls back to a kernel that writes into a temporary int64 copy and
+  returns uninitialised memory, so the target logits are divided by garbage temperatures and the
+  sampling stops being lossless: replaced by a pure-torch version;
+- with top-k (and no top-p), ``apply_sampling_constraints`` -> ``apply_top_k_top_p`` ->
+  ``apply_top_k_only`` takes ``k.max()`` over the step's draft tokens, which fails on a step that
+  has none (every request prefilling): an empty batch is returned as it is.
+
+Set ``COTRAIN_VLLM_SAMPLER_FIX=0`` to see the defects.
 """
 
 from __future__ import annotations
@@ -28,6 +35,18 @@ def _expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_to
     return out[:num_tokens]
 
 
+def _skip_empty(apply_top_k_top_p):
+    """``apply_top_k_top_p`` that leaves a batch without rows alone (nothing to filter)."""
+
+    def apply(logits: torch.Tensor, k, p):
+        if logits.shape[0] == 0:
+            return logits
+        return apply_top_k_top_p(logits, k, p)
+
+    apply.__wrapped__ = apply_top_k_top_p
+    return apply
+
+
 def _on_cpu_platform() -> bool:
     try:
         from vllm.platforms import current_platform
@@ -47,6 +66,7 @@ def install_cpu_rejection_sampler_fix() -> bool:
         return True
     _expand_batch_to_tokens._cotrain_fix = True  # type: ignore[attr-defined]
     rs.expand_batch_to_tokens = _expand_batch_to_tokens  # apply_sampling_constraints looks it up here
+    rs.apply_top_k_top_p = _skip_empty(rs.apply_top_k_top_p)  # ... and this one
     return True
 
 
