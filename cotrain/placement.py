@@ -413,12 +413,15 @@ def _node_label_key() -> str:
 
 
 class ClusterPlacement:
-    """One placement group reserving every trainer rank's and engine's bundle on its node.
+    """One placement group reserving every trainer rank's and engine's bundle on its node (colocated:
+    the ranks' GPU bundles only, which the engines share: :func:`colocated_plan`).
 
     ``ClusterPlacement(cfg)`` (needs a connected Ray): picks the nodes, creates the group and waits
-    until it is reserved (``timeout_s``). ``trainer_options(rank)`` / ``engine_options(e)`` are the
-    ``.options(...)`` of each actor; ``check(what)`` raises :class:`NodeDiedError` once a node of the
-    run is gone; ``remove()`` frees the reservation.
+    until it is reserved (``timeout_s``; the actors' start-up waits as long: ``start_timeout_s``).
+    ``trainer_options(rank)`` / ``engine_options(e)`` are the ``.options(...)`` of each actor (its
+    resources and bundle), ``engine_env(e)`` what a colocated TP > 1 engine's actor tells vLLM;
+    ``check(what)`` raises :class:`NodeDiedError` once a node of the run is gone; ``remove()`` frees
+    the reservation.
     """
 
     PROBE_EVERY_S = 1.0
