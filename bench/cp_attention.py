@@ -39,6 +39,15 @@ and the branch outputs and input gradients of both checked equal.
     python bench/cp_attention.py --quick    # seconds, for a smoke test
     python bench/cp_attention.py --report bench/results/cp_attention.json   # the docs' tables and PNG from a JSON
     python bench/cp_attention.py --drafter-only   # only the drafter-style calls, with vs without main queries
+
+Partitions mode (one process, no process group; see the section "CP partitions on one device"): every
+CP rank's share of a step, forward + backward, computed in turn on one device with the ring replayed,
+ours against the padded USP baseline, both on the same plain torch tiles; per rank the median step
+time over rounds and, on CUDA, the peak memory it holds. Writes
+``<--out-dir>/cp_attention_partitions_<device>.json``::
+
+    python bench/cp_attention.py --device cuda --preset qwen3-0.6b --cp 2 4 8 --out-dir $OUT   # the GPU check
+    python bench/cp_attention.py --partitions --quick --cp 2 4 --out-dir /tmp/x                  # CPU smoke run
 """
 
 from __future__ import annotations

@@ -46,6 +46,15 @@ docs/tapchannel.md.
     python bench/tapchannel.py              # defaults: ~3 min on 2 cores
     python bench/tapchannel.py --quick      # about a minute, for a smoke test
     python bench/tapchannel.py --plot-only  # redraw the PNGs and reprint the table from the JSON
+
+Raw transfer mode (no Megatron, no Ray): ``--device cuda`` streams taps from one process to another
+through ``cuda_ipc``, each process seeing one GPU as Ray's actors do (the same GPU on a one-GPU
+machine: a same-device copy, not a transfer between GPUs); ``--transfer`` runs the same code on the
+CPU through ``shm``. Writes ``<--out-dir>/tapchannel_transfer_<device>.json``: rates with zero-copy
+reads and with copy-out, the reader's summed wait for stamps per round, the writer's time per
+microbatch, the latency of one microbatch (see transfer_rank)::
+
+    python bench/tapchannel.py --device cuda --out-dir $OUT    # 3 taps of [8192, 1024] bf16 per microbatch
 """
 
 from __future__ import annotations
@@ -524,6 +533,126 @@ def write_outputs(result: dict, args) -> list[Path]:
     return pngs
 
 
+# ----- raw tap transfer between two processes: --device cuda (cuda_ipc, one GPU) / cpu (shm) -------------
+
+def transfer_rank(rank, world, args):
+    """Rank 0 streams ``--ipc-taps`` taps of [tokens, width] per microbatch to rank 1 (the reader)
+    through a TapChannel: cuda_ipc on CUDA (each process sees one GPU, as under Ray: the same GPU here),
+    shm on CPU. Per round of ``--ipc-iters`` microbatches: the reader's rate (payload / time from a
+    barrier to its last read), its summed wait for stamps, the writer's time per microbatch; then the
+    latency of one microbatch (the reader's wait from a barrier until the stamp, the writer's copy and
+    stream sync included)."""
+    import os
+
+    cuda = args.device == "cuda"
+    if cuda:
+        os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("TAPBENCH_GPU", "0")  # one GPU per process, as Ray does
+        torch.cuda.set_device(0)
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    from cotrain.tapchannel import PipelineLayout, TapChannel, TapSpec
+
+    n_taps, tokens, width = args.ipc_taps, args.ipc_tokens, args.ipc_width
+    dtype = getattr(torch, args.ipc_dtype)
+    layout = PipelineLayout.even([0, 1], num_layers=2 * n_taps)  # layers 0 .. n_taps-1 on stage 0 (rank 0)
+    specs = [TapSpec(i, width, dtype).resolve(layout) for i in range(n_taps)]
+    transport = "cuda_ipc" if cuda else "shm"
+    ch = TapChannel(specs, layout, transport, max_tokens=tokens, slots=args.ipc_slots, timeout_s=120,
+                    name="ipc-bench", device=device if cuda else None)
+    g = torch.Generator().manual_seed(11)
+    xs = [torch.randn(tokens, width, generator=g).to(device=device, dtype=dtype) for _ in range(n_taps)]
+    payload = sum(x.numel() * x.element_size() for x in xs)
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)  # noqa: E731
+    iters = args.ipc_iters
+    out = {"rank": rank, "transport": transport, "payload_bytes": payload, "iters": iters,
+           "rate": {"view": [], "copy": []}, "reader_wait_s": {"view": [], "copy": []}, "write_s": [],
+           "latency_s": [], "writer_latency_s": []}
+    # round 0: every microbatch checked (and the ring filled once, first-touch costs); not timed
+    for rnd in range(1 + 2 * args.ipc_rounds):
+        how = "copy" if rnd % 2 else "view"
+        ch.begin_step(iters)
+        dist.barrier()
+        sync()
+        t0 = time.perf_counter()
+        for mb in range(iters):
+            if rank == 0:
+                w0 = time.perf_counter()
+                for t, x in enumerate(xs):
+                    ch.write(t, mb, x + mb if rnd == 0 else x)
+                if rnd > 0:
+                    out["write_s"].append(time.perf_counter() - w0)
+            elif how == "copy":
+                ch.read(mb)
+            else:
+                with ch.reading(mb) as got:  # zero-copy views, released at the end of the block
+                    if rnd == 0:
+                        for t, x in enumerate(xs):
+                            assert torch.equal(got[t], x + mb), f"{transport}: microbatch {mb}, tap {t}: other data"
+        sync()
+        dt = time.perf_counter() - t0
+        stats = ch.end_step()
+        if rank == 1 and rnd > 0:
+            out["rate"][how].append(payload * iters / dt)
+            out["reader_wait_s"][how].append(stats["reader_wait_s"])
+    for _ in range(args.ipc_rounds):  # latency of one microbatch
+        ch.begin_step(1)
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            for t, x in enumerate(xs):
+                ch.write(t, 0, x)
+            out["writer_latency_s"].append(time.perf_counter() - t0)
+        else:
+            ch.read(0)
+            sync()
+            out["latency_s"].append(time.perf_counter() - t0)
+        ch.end_step()
+    dist.barrier()
+    if cuda:
+        from cotrain.tapchannel.transports.cuda_ipc import visible_gpus
+
+        out["gpus_seen"] = visible_gpus()
+        out["device_name"] = torch.cuda.get_device_name(device)
+    ch.close()
+    return out
+
+
+def transfer_main(args) -> dict:
+    """--device cuda / --transfer: transfer_rank on two processes, summarised into args.out_dir."""
+    from cotrain.distributed import spawn_local
+
+    t0 = time.time()
+    writer, reader = spawn_local(transfer_rank, 2, args, timeout_s=600)
+    cuda = args.device == "cuda"
+    result = {
+        "what": ("cuda_ipc tap transfer between two processes that each see one GPU: the same GPU, so a "
+                 "same-device copy (not the between-GPU transfer the paper's 27-39 GB/s measures)") if cuda else
+                "shm tap transfer between two processes on the CPU (smoke run of the same code path)",
+        "transport": reader["transport"], "device": reader.get("device_name", "cpu"), "torch": torch.__version__,
+        "gpus_seen": [writer.get("gpus_seen"), reader.get("gpus_seen")],
+        "taps": args.ipc_taps, "tokens": args.ipc_tokens, "width": args.ipc_width, "dtype": args.ipc_dtype,
+        "slots": args.ipc_slots, "payload_bytes_per_microbatch": reader["payload_bytes"], "iters_per_round": reader["iters"],
+        "GB_per_s_zero_copy_read": rng([r / 1e9 for r in reader["rate"]["view"]]),
+        "GB_per_s_with_copy_out": rng([r / 1e9 for r in reader["rate"]["copy"]]),
+        "reader_wait_s_per_round_zero_copy": rng(reader["reader_wait_s"]["view"]),
+        "reader_wait_s_per_round_with_copy_out": rng(reader["reader_wait_s"]["copy"]),
+        "writer_s_per_microbatch": rng(writer["write_s"]),
+        "latency_s_one_microbatch": rng(reader["latency_s"]),
+        "writer_s_one_microbatch": rng(writer["writer_latency_s"]),
+        "command": " ".join(["python", "bench/tapchannel.py", *sys.argv[1:]]),
+    }
+    result["wall_s"] = time.time() - t0
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    path = args.out_dir / f"tapchannel_transfer_{args.device}.json"
+    path.write_text(json.dumps(result, indent=1))
+    mb = result["payload_bytes_per_microbatch"] / 2**20
+    print(f"{result['transport']} ({result['device']}), {mb:.0f} MiB per microbatch: "
+          f"{result['GB_per_s_zero_copy_read']['median']:.1f} GB/s zero-copy read, "
+          f"{result['GB_per_s_with_copy_out']['median']:.1f} GB/s with copy-out; one microbatch in "
+          f"{result['latency_s_one_microbatch']['median'] * 1e3:.2f} ms")
+    print(f"wrote {path}")
+    return result
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pp", type=int, nargs="+", default=[2, 4])
@@ -547,7 +676,22 @@ def main():
                         "(tapchannel-quick.json with --quick)")
     p.add_argument("--png", type=Path, default=None,
                    help="another copy of the figure; default docs/img/tapchannel.png, none with --quick")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: only the raw cuda_ipc transfer between two processes on one GPU (no Megatron)")
+    p.add_argument("--transfer", action="store_true", help="only the raw transfer, on --device (cpu: shm, a smoke run)")
+    p.add_argument("--ipc-taps", type=int, default=3, help="transfer mode: taps per microbatch")
+    p.add_argument("--ipc-tokens", type=int, default=8192, help="transfer mode: tokens per microbatch")
+    p.add_argument("--ipc-width", type=int, default=1024, help="transfer mode: tap width (Qwen3-0.6B's hidden size)")
+    p.add_argument("--ipc-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--ipc-slots", type=int, default=2)
+    p.add_argument("--ipc-iters", type=int, default=16, help="transfer mode: microbatches per round")
+    p.add_argument("--ipc-rounds", type=int, default=5, help="transfer mode: timed rounds per read kind")
+    p.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results",
+                   help="transfer mode: folder of tapchannel_transfer_<device>.json")
     args = p.parse_args()
+    if args.device == "cuda" or args.transfer:
+        transfer_main(args)
+        return
     if args.out is None:
         args.out = ROOT / "bench" / "results" / f"tapchannel{'-quick' if args.quick else ''}.json"
     if args.png is None and not args.quick:
