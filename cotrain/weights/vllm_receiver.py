@@ -58,6 +58,12 @@ class VllmReceivers:
     def __init__(self, config, vllm_config, device, model) -> None:
         self._args = (config, vllm_config, device, model)
         self._engines: dict[str, Any] = {}
+        #: this worker's GPU UUID (None on CPU): a ``cuda_ipc`` set must hold a handle for it
+        self.gpu: str | None = None
+        if getattr(device, "type", None) == "cuda":
+            from cotrain.weights.transports.cuda_ipc import gpu_uuid
+
+            self.gpu = gpu_uuid(device)
 
     def engine(self, transport: str):
         if transport not in self._engines:
@@ -78,9 +84,14 @@ class VllmReceivers:
 
     def fetch(self, handle: dict) -> dict[str, torch.Tensor] | None:
         """CPU transports: the tensors (read now). GPU transports: None (vLLM moves the bytes
-        during :meth:`load`); their engine must exist (``nccl``: the group)."""
+        during :meth:`load`); their engine must exist (``nccl``: the group), and a ``cuda_ipc`` set
+        must cover this worker's GPU (else an error naming it, before the model changes)."""
         transport = handle["transport"]
         if transport in VLLM_BACKENDS:
+            if transport == "cuda_ipc" and self.gpu is not None:
+                from cotrain.weights.transports.cuda_ipc import check_coverage, restore_update_info
+
+                check_coverage(restore_update_info(handle["update_info"])["ipc_handles"], [self.gpu])
             self.engine(transport)
             return None
         return receiver_for(handle).receive(handle)

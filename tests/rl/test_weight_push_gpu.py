@@ -70,6 +70,8 @@ def test_cuda_ipc_policy_push_follows_the_weights(engine, hf):
     assert engine.weight_version() == v0 + 1
     st = engine.status()
     assert st["last_push"]["transport"] == "cuda_ipc" and st["last_push"]["tensors"] == len(state)
+    # the engine's worker reports the GPU it runs on: the one the sender exported on (same device)
+    assert st["gpus"] == [str(torch.cuda.get_device_properties(0).uuid)] == [engine.transport.uuid]
     got, want = _texts(engine.generate(PROMPTS, GREEDY)), greedy_answers(other, tok, PROMPTS, 8)
     # fp32 on the GPU vs the CPU: an argmax tie may flip one prompt, never most of them
     assert sum(g == w for g, w in zip(got, want)) >= len(PROMPTS) - 1, (got, want)

@@ -312,6 +312,14 @@ def test_cuda_ipc_push_makes_vllms_ipc_engine_on_first_use(engine):
     with pytest.raises(WeightPushError, match="missing name"):
         _push(e.eng, _handle("cuda_ipc", {"a.weight": w["a.weight"]}))
     assert e.eng.drained == 0  # nothing to drain for IPC
+    # a set without this worker's GPU is refused before the model changes, naming the GPU
+    e.eng.receivers.gpu = "GPU-other"
+    loads = len(e.model.loaded)
+    with pytest.raises(WeightPushError, match="cuda_ipc handle set lacks GPU\\(s\\) GPU-other"):
+        _push(e.eng, _handle("cuda_ipc", w))
+    assert len(e.model.loaded) == loads and e.reloads == ["init", "finalize"]
+    e.eng.receivers.gpu = "gpu-uuid"
+    _push(e.eng, _handle("cuda_ipc", w))  # its own GPU's handles: loaded
 
 
 # ----------------------------------------------------------------------------------- clients
