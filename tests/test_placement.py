@@ -394,3 +394,22 @@ def test_the_colocated_placement_group_puts_every_engine_worker_on_its_ranks_gpu
         for a in actors:
             ray.kill(a)
         pl.remove()
+
+
+def test_the_colocated_example_in_docs_multinode_is_what_the_command_prints():
+    import re
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs/multinode.md").read_text()
+    block = re.search(r"<!-- colocated-example.*?-->\s*```\n\$ (.*?)\n(.*?)```\n<!-- end of colocated-example -->", doc,
+                      re.S)
+    assert block, "the colocated-example block of docs/multinode.md"
+    cmd = shlex.split(block.group(1))
+    assert cmd[:2] == ["python", "-c"]
+    proc = subprocess.run([sys.executable, *cmd[1:]], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == block.group(2), "regenerate the colocated example in docs/multinode.md:\n" + proc.stdout
