@@ -110,7 +110,7 @@ def test_yaml_keys_reach_the_engine(groups):
     import ray
 
     def engine_fields(worker):  # runs inside the actor (a nested function travels by value)
-        sc = worker.gen.llm.llm_engine.vllm_config.speculative_config
+        sc = worker.llm.llm_engine.vllm_config.speculative_config
         return {k: getattr(sc, k) for k in ("method", "num_speculative_tokens", "suffix_decoding_max_tree_depth",
                                             "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor",
                                             "suffix_decoding_min_token_prob")}
