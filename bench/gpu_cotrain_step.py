@@ -44,7 +44,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from gpu_verify_cost import QWEN3_0_6B, build_model  # noqa: E402  (bench/ on sys.path)
+from gpu_verify_cost import QWEN3_0_6B, build_model, loaded_packages  # noqa: E402  (bench/ on sys.path)
 
 #: the CPU smoke test's shape (4 layers: room for the drafters' default tap layers)
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -153,7 +153,7 @@ def run_kind(args, kind: str, ckpt: Path) -> dict:
             "overhead_paired": on / off - 1.0, "overhead_drafter": draft / (on - draft),
             "paper": PAPER.get(kind), "rounds": rounds,
             "peak_cuda_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-            "python_packages": sorted({m.split(".")[0] for m in sys.modules} - set(sys.stdlib_module_names))}
+            "python_packages": loaded_packages()}
 
 
 def main(argv=None) -> int:

@@ -51,6 +51,11 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
             tie_word_embeddings=True)
 
 
+def loaded_packages() -> list[str]:
+    """Top-level non-standard-library modules loaded in this process (recorded in the JSON: no ray, no vllm)."""
+    return sorted({n.split(".")[0] for n, m in list(sys.modules.items()) if m is not None} - set(sys.stdlib_module_names))
+
+
 def build_model(shape: dict, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """A random-weight Qwen3ForCausalLM of ``shape`` on ``device`` (initialised there), eval mode."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -211,7 +216,7 @@ def main(argv=None) -> int:
                                      "acceptance_length": "E_k = (1 - a^(k+1)) / (1 - a)"}}
     result.update(summarise(times, ks, args.acceptance_rate, args.max_batch))
     result["seconds"] = time.perf_counter() - t_start
-    result["python_packages"] = sorted({m.split(".")[0] for m in sys.modules} - set(sys.stdlib_module_names))
+    result["python_packages"] = loaded_packages()
     result = json.loads(json.dumps(result))  # int keys -> str, as calibrate's JSON has them
     (out / "verify_cost.json").write_text(json.dumps(result, indent=1))
     plot(result, out / "verify_cost.png")
