@@ -136,6 +136,17 @@ MUTANTS: list[Mutant] = [
     M("rl.driver_colocated_engines_stay_awake", "cotrain/rl/driver.py",
       "        if not self.cfg.rollout.colocate:\n", "        if True:\n",
       ["tests/rl/test_driver_contract.py"], "colocated engines keep the GPU while the trainers run"),
+    # ----- cotrain/weights: the push's check and the cuda_ipc handle set -----------------------------------
+    M("weights.ipc_rank_zero_only", "cotrain/weights/transports/cuda_ipc.py",
+      "part = self._export(tensors) if rank in exporters else None", "part = self._export(tensors) if rank == 0 else None",
+      ["tests/weights/test_cuda_ipc.py"], "only trainer rank 0's GPU is in the cuda_ipc handle set"),
+    M("weights.ipc_copy_not_sent", "cotrain/weights/transports/cuda_ipc.py",
+      "                        dist.send(t, dst=r)", "                        pass",
+      ["tests/weights/test_cuda_ipc.py"], "rank 0 never sends its copy to the other engine GPUs (their rank waits)"),
+    M("weights.draft_may_carry_borrowed_names", "cotrain/weights/checks.py",
+      "    forbidden = shared_name_reasons([row[0] for row in handle[\"manifest\"]], shared)\n",
+      "    forbidden = {}\n",
+      ["tests/weights/test_checks.py"], "a draft push may overwrite the target's lm_head / embed_tokens"),
     # ----- cotrain/tapchannel: stamps, slots, release ----------------------------------------------------
     M("tap.stale_stamp_accepted", "cotrain/tapchannel/mailbox.py",
       "        if before != seq + 1:\n            raise self._err(TapLappedError if before > seq + 1",
