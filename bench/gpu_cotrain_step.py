@@ -60,7 +60,7 @@ def write_checkpoint(shape: dict, path: Path, device: torch.device, dtype: torch
     model = build_model(shape, device, dtype)
     model.config.eos_token_id = 1
     model.config.pad_token_id = 0
-    model.save_pretrained(path, safe_serialization=True)
+    model.save_pretrained(path)  # safetensors (the default in transformers 4.35+ and 5)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -87,7 +87,8 @@ def random_batch(num_seqs: int, seq_len: int, prompt_len: int, vocab: int, seed:
 
 def overrides(args, kind: str, ckpt: Path) -> list[str]:
     dtype = "bfloat16" if args.device == "cuda" else "float32"
-    return [f"policy.model_path={ckpt}", f"cluster.device={args.device}", f"policy.dtype={dtype}",
+    gpus = ["cluster.gpus_per_node=1", "rollout.colocate=true"] if args.device == "cuda" else []
+    return [f"policy.model_path={ckpt}", f"cluster.device={args.device}", *gpus, f"policy.dtype={dtype}",
             f"policy.micro_batch_size={args.micro_batch}", f"policy.max_seq_len={args.seq_len}",
             "policy.reference_model=false", f"grpo.prompts_per_step={args.seqs // 4}", "grpo.group_size=4",
             "grpo.global_batch_size=null", "grpo.epochs=1", "grpo.num_steps=1000",

@@ -52,11 +52,11 @@ PLAN=(
   "env:30:required:st_env:nvidia-smi, Python, torch + CUDA"
   "wheels:60:required:st_wheels:$WHEEL_DIR -> pip --no-index --no-deps --target"
   "imports:90:required:st_imports:tests/gpu + measurements, scripts/gpu_imports.py"
-  "pytest-gpu:170:required:st_pytest_gpu:pytest tests/gpu, per-test timeout 150 s"
-  "cotrain-step:150:required:st_cotrain_step:(a) bench/gpu_cotrain_step.py"
-  "verify-cost:90:required:st_verify_cost:(b) bench/gpu_verify_cost.py"
-  "cp-attention:75:required:st_cp_attention:(c) bench/cp_attention.py --device cuda"
-  "tapchannel:60:required:st_tapchannel:(d) bench/tapchannel.py --device cuda"
+  "pytest-gpu:210:required:st_pytest_gpu:pytest tests/gpu, per-test timeout 180 s (fixtures included)"
+  "cotrain-step:110:required:st_cotrain_step:(a) bench/gpu_cotrain_step.py"
+  "verify-cost:60:required:st_verify_cost:(b) bench/gpu_verify_cost.py"
+  "cp-attention:60:required:st_cp_attention:(c) bench/cp_attention.py --device cuda"
+  "tapchannel:45:required:st_tapchannel:(d) bench/tapchannel.py --device cuda"
   "pytest-heavy:240:heavy:st_pytest_heavy:pytest -m gpu tests --ignore=tests/gpu (vllm + ray present)"
 )
 
@@ -246,7 +246,7 @@ PY
 }
 
 st_pytest_gpu() {
-  "$PY" -m pytest tests/gpu -p no:cacheprovider -q -rA --timeout 150 --junitxml="$WORK/pytest-gpu.xml" \
+  "$PY" -m pytest tests/gpu -p no:cacheprovider -q -rA --timeout 180 --junitxml="$WORK/pytest-gpu.xml" \
     > "$WORK/pytest-gpu.txt" 2>&1
   local rc=$?
   tail -n 80 "$WORK/pytest-gpu.txt"

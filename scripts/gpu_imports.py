@@ -43,12 +43,28 @@ MACHINE = ROOT / "scripts" / "gpu_machine.txt"
 MEASUREMENT_MODULES = ("cotrain.config", "cotrain.rl.trainer", "cotrain.rl.draft_stage", "cotrain.rl.calibrate")
 
 
+def cotrain_imports(path: Path) -> list[str]:
+    """The cotrain modules a file imports anywhere, also inside functions (spawned helpers, lazy imports)."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return sorted(n for n in names if n == "cotrain" or n.startswith("cotrain."))
+
+
 def gpu_check_targets() -> list[str]:
-    """Everything scripts/gpu_check.sh runs on the GPU machine: the test folder's conftests and tests,
-    the measurements' scripts and the modules they import lazily."""
+    """Everything scripts/gpu_check.sh runs on the GPU machine: the test folder's conftests and files,
+    the measurements' scripts, and the cotrain modules any of them imports lazily (inside functions or
+    spawned helpers) plus MEASUREMENT_MODULES."""
     files = [ROOT / "tests" / "conftest.py", *sorted((ROOT / "tests" / "gpu").glob("*.py")),
              *sorted((ROOT / "bench").glob("gpu_*.py")), ROOT / "bench" / "cp_attention.py", ROOT / "bench" / "tapchannel.py"]
-    return [str(f.relative_to(ROOT)) for f in files if f.exists()] + list(MEASUREMENT_MODULES)
+    files = [f for f in files if f.exists()]
+    modules = sorted({m for f in files for m in cotrain_imports(f)} | set(MEASUREMENT_MODULES))
+    return [str(f.relative_to(ROOT)) for f in files] + modules
 
 
 def canonical(name: str) -> str:
