@@ -3,7 +3,7 @@
 #   make test   - the test suite
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-fast bench clean mutants
+.PHONY: setup demo test test-fast bench clean mutants gpu-wheels
 
 setup:
 	@bash scripts/setup.sh
@@ -21,6 +21,10 @@ test-fast: setup
 # planted bugs, one at a time, against their focused tests (minutes; not part of test / CI): docs/testing.md
 mutants: setup
 	$(PY) scripts/mutants.py $(ARGS)
+
+# the wheels (and the built tiny model) the GPU check carries to a GPU machine without network: docs/setup.md
+gpu-wheels: setup
+	bash scripts/gpu_wheels.sh $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache
