@@ -14,7 +14,7 @@ def state() -> dict[str, torch.Tensor]:
             "h": torch.randn(2, 2, generator=g).to(torch.bfloat16)}
 
 
-def export(rank: int, world: int, engine_gpus: list[str]):
+def export(rank: int, world: int, engine_gpus: list[str], empty: bool = False):
     """One ``send_collective`` on a gloo group; torch's CUDA export is replaced by one that names the
     rank and carries the values it exported (so the test sees whose copy backs which GPU)."""
     from cotrain.weights import WeightPushError
@@ -25,7 +25,7 @@ def export(rank: int, world: int, engine_gpus: list[str]):
 
     tx = CudaIpcTransport("cpu", engine_gpus=engine_gpus, share=share, uuid=RANK_GPUS[rank])
     try:
-        h = tx.send_collective(state() if rank == 0 else None, 3)
+        h = tx.send_collective(({} if empty else state()) if rank == 0 else None, 3)
     except WeightPushError as e:
         return {"error": str(e)}
     held = tx.held()

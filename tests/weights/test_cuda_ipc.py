@@ -81,3 +81,5 @@ def test_collective_export_puts_a_copy_on_every_engine_gpu():
         assert per_gpu == {"GPU-0": ("rank", 0, want), "GPU-2": ("rank", 2, want)}, name
     bad = spawn_local(w.export, 3, ["GPU-1", "GPU-9"], timeout_s=120)
     assert all("GPU-9 host(s) no trainer rank" in b["error"] for b in bad)
+    empty = spawn_local(w.export, 3, ["GPU-1"], True, timeout_s=120)  # rank 0 cannot stage: every rank hears it
+    assert all("nothing to send" in e["error"] for e in empty)

@@ -189,9 +189,16 @@ class CudaIpcTransport(WeightTransport):
         plan = self.plan()
         exporters = sorted(set(plan.values()))
         self._seq += 1
-        tensors = self._stage(named_tensors) if rank == 0 else None
-        box = [manifest_of(tensors) if rank == 0 else None]
+        tensors, box, error = None, [None], None
+        if rank == 0:
+            try:
+                tensors = self._stage(named_tensors)
+                box = [manifest_of(tensors)]
+            except Exception as e:  # told to every rank, so that none waits in the collectives below
+                error, box = e, [f"rank 0 could not stage the cuda_ipc push: {type(e).__name__}: {e}"]
         dist.broadcast_object_list(box, src=0, device=self.device if cuda else None)
+        if isinstance(box[0], str):
+            raise error if error is not None else WeightPushError(box[0])
         manifest = box[0]
         if rank == 0:
             for r in exporters:
