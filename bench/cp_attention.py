@@ -46,7 +46,7 @@ ours against the padded USP baseline, both on the same plain torch tiles; per ra
 time over rounds and, on CUDA, the peak memory it holds. Writes
 ``<--out-dir>/cp_attention_partitions_<device>.json``::
 
-    python bench/cp_attention.py --device cuda --preset qwen3-0.6b --cp 2 4 8 --out-dir $OUT   # the GPU check
+    python bench/cp_attention.py --device cuda --out $OUT   # the GPU check: --preset qwen3-0.6b --cp 2 4 8
     python bench/cp_attention.py --partitions --quick --cp 2 4 --out-dir /tmp/x                  # CPU smoke run
 """
 
@@ -1520,7 +1520,7 @@ def plot(data: dict, path: Path):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--cp", type=int, nargs="+", default=None, help="CP degrees (default 1 2 4; 2 4 8 with --device cuda)")
     p.add_argument("--num-seqs", type=int, default=8)
     p.add_argument("--min-len", type=int, default=32)
     p.add_argument("--max-len", type=int, default=512)
@@ -1555,15 +1555,17 @@ def main():
     p.add_argument("--partitions", action="store_true", help="the partitions mode on --device (cpu: a smoke run)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="partitions mode: input dtype (default bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--preset", choices=["qwen3-0.6b"], default=None,
-                   help="partitions mode workload: 8 sequences of 512-4096 tokens, 8 DFlash blocks of 16 each, "
-                        "Qwen3-0.6B's attention (16 query heads, 8 KV heads, head dim 128)")
-    p.add_argument("--budget-s", type=float, default=60.0, help="partitions mode: timed rounds stop past this (all CP degrees)")
+    p.add_argument("--preset", choices=["qwen3-0.6b", "none"], default=None,
+                   help="partitions mode workload (default qwen3-0.6b with --device cuda): 8 sequences of 512-4096 "
+                        "tokens, 8 DFlash blocks of 16 each, Qwen3-0.6B's attention (16 query heads, 8 KV heads, head dim 128)")
+    p.add_argument("--budget-s", type=float, default=30.0, help="partitions mode: timed rounds stop past this (all CP degrees)")
     p.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results",
-                   help="partitions mode: folder of cp_attention_partitions_<device>.json")
+                   help="partitions mode: folder of cp_attention_partitions_<device>.json (--out DIR: the same)")
     args = p.parse_args()
     if args.device == "cuda" or args.partitions:
-        if args.preset == "qwen3-0.6b":
+        args.cp = args.cp or ([2, 4, 8] if args.device == "cuda" else [1, 2, 4])
+        args.out_dir = args.out or args.out_dir  # the GPU check's interface: --device cuda --out DIR
+        if args.preset == "qwen3-0.6b" or (args.preset is None and args.device == "cuda"):
             args.num_seqs, args.min_len, args.max_len, args.blocks_per_seq, args.block_size = 8, 512, 4096, 8, 16
             args.heads, args.kv_heads, args.head_dim = 16, 8, 128
         if args.quick:
@@ -1571,6 +1573,7 @@ def main():
         args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
         partitions_main(args)
         return
+    args.cp = args.cp or [1, 2, 4]
     if args.report:
         data = json.loads(args.report.read_text())
         print(markdown(data))

@@ -54,7 +54,7 @@ CPU through ``shm``. Writes ``<--out-dir>/tapchannel_transfer_<device>.json``: r
 reads and with copy-out, the reader's summed wait for stamps per round, the writer's time per
 microbatch, the latency of one microbatch (see transfer_rank)::
 
-    python bench/tapchannel.py --device cuda --out-dir $OUT    # 3 taps of [8192, 1024] bf16 per microbatch
+    python bench/tapchannel.py --device cuda --out $OUT    # 3 taps of [8192, 1024] bf16 per microbatch
 """
 
 from __future__ import annotations
@@ -687,9 +687,10 @@ def main():
     p.add_argument("--ipc-iters", type=int, default=16, help="transfer mode: microbatches per round")
     p.add_argument("--ipc-rounds", type=int, default=5, help="transfer mode: timed rounds per read kind")
     p.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results",
-                   help="transfer mode: folder of tapchannel_transfer_<device>.json")
+                   help="transfer mode: folder of tapchannel_transfer_<device>.json (--out DIR: the same)")
     args = p.parse_args()
     if args.device == "cuda" or args.transfer:
+        args.out_dir = args.out or args.out_dir  # the GPU check's interface: --device cuda --out DIR
         transfer_main(args)
         return
     if args.out is None:
