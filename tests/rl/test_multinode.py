@@ -191,7 +191,7 @@ def resumed(cluster, two_nodes):
 
     dead = two_nodes["other"]
     ray_says_alive = any(n["NodeID"] == dead and n["Alive"] for n in ray.nodes())
-    run = GrpoRun(_config(two_nodes["out"], *TWO_NODES))
+    run = GrpoRun(_config(two_nodes["out"], *TWO_NODES, "checkpoint.resume=true"))
     t0 = time.monotonic()
     try:
         run.setup(True)
