@@ -83,6 +83,20 @@ def test_nccl_send_wait_polls_and_raises_the_named_timeout_without_work_wait():
     assert 0.2 <= time.monotonic() - t0 < 5 and Pending.polls > 1
     assert (e.value.layer, e.value.rank, e.value.slot) == (0, 0, 0)
 
+    class Later:  # completes on the third poll; then wait() without a timeout (returns at once)
+        polls, waits = 0, []
+
+        def is_completed(self):
+            Later.polls += 1
+            return Later.polls >= 3
+
+        def wait(self, *a, **k):
+            Later.waits.append((a, k))
+
+    tr._inflight = {0: deque([(0, [Later()], None)])}
+    tr._drain(0, 0, time.monotonic() + 5)
+    assert Later.polls == 3 and Later.waits == [((), {})]
+
 
 def test_nccl_receive_wait_polls_and_gives_up_when_the_channel_closes():
     from types import SimpleNamespace
@@ -91,15 +105,18 @@ def test_nccl_receive_wait_polls_and_gives_up_when_the_channel_closes():
 
     class Done:
         def __init__(self, after):
-            self.left = after
+            self.left, self.waited = after, False
 
         def is_completed(self):
             self.left -= 1
             return self.left <= 0
 
-        def wait(self, *a, **k):
-            raise AssertionError("the mailbox thread polls")
+        def wait(self, *a, **k):  # only once completed, and without a timeout
+            assert self.left <= 0 and not a and not k, "wait() before completion, or with a timeout"
+            self.waited = True
 
     tr = NcclTransport()
-    assert tr._await(Done(3), SimpleNamespace(stopped=False)) is True
-    assert tr._await(Done(10**9), SimpleNamespace(stopped=True)) is False
+    work = Done(3)
+    assert tr._await(work, SimpleNamespace(stopped=False)) is True and work.waited
+    work = Done(10**9)
+    assert tr._await(work, SimpleNamespace(stopped=True)) is False and not work.waited

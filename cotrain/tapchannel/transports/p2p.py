@@ -26,8 +26,9 @@ concurrent communicators in mind. Streams and ordering on the reader:
   thread's current stream, and the thread waits for a receive by polling ``Work.is_completed()``,
   so neither a receive nor its wait is queued behind (or stalls) the compute, e.g. behind a
   pipeline receive that needs this very tap.
-- After the rows of ``seq`` are in, the thread records an event on ``recv_stream`` and only then
-  stores the stamp; the reader's ``wait`` makes its compute stream wait on that event
+- After the rows of ``seq`` are in (``is_completed()``, then ``wait()``, which only makes
+  ``recv_stream`` wait on the receive's end event), the thread records an event on ``recv_stream``
+  and only then stores the stamp; the reader's ``wait`` makes its compute stream wait on that event
   (``compute.wait_event``) before anything reads the slot.
 - ``release`` records an event on the compute stream (after the copy-out or the kernels that read a
   zero-copy view); before posting a receive into that slot again, the thread makes ``recv_stream``
@@ -318,11 +319,14 @@ class NcclTransport(GlooTransport):
             yield
 
     def _await(self, work, rcv: _Receiver) -> bool:
-        # is_completed() polls the work's end event: no stream wait, no CPU block behind other work
+        # is_completed() polls the work's end event: no CPU block behind other work. Once it is done,
+        # wait() (no timeout) only makes this thread's stream (recv_stream) wait on that event - the
+        # ordering the event recorded in _received relies on - and raises a failed work's error.
         while not work.is_completed():
             if rcv.stopped:
                 return False
             time.sleep(self.POLL_S)
+        work.wait()
         return True
 
     def _slot_free(self, t: int, slot: int) -> None:
@@ -340,6 +344,7 @@ class NcclTransport(GlooTransport):
             if deadline is not None and time.monotonic() > deadline:
                 raise RuntimeError("NCCL send timed out (polled is_completed() up to the channel's deadline)")
             time.sleep(self.POLL_S)
+        work.wait()  # completed: returns at once (a failed work raises)
 
     def wait(self, t: int, seq: int, deadline: float) -> float:
         waited = super().wait(t, seq, deadline)
