@@ -217,8 +217,12 @@ for mod in ("flash_attn", "transformer_engine.pytorch", "vllm", "ray", "apex"):
         optional[mod.split(".")[0]] = getattr(m, "__version__", "present")
     except Exception as e:  # noqa: BLE001 - absent, or present and broken: both are facts
         optional[mod.split(".")[0]] = None if isinstance(e, ModuleNotFoundError) else f"broken: {type(e).__name__}: {e}"[:200]
-import megatron.core, pydantic, torch
-res["versions"] = {"torch": torch.__version__, "megatron.core": megatron.core.__version__, "pydantic": pydantic.__version__}
+res["versions"] = {}
+for mod in ("torch", "megatron.core", "pydantic", "transformers"):
+    try:
+        res["versions"][mod] = importlib.import_module(mod).__version__
+    except Exception as e:  # noqa: BLE001 - the import errors above say why
+        res["versions"][mod] = f"does not import: {type(e).__name__}: {e}"[:200]
 res["optional"] = optional
 json.dump(res, open(os.path.join(work, "imports.json"), "w"), indent=1)
 print(json.dumps({k: res[k] for k in ("errors", "skipped", "outside", "versions", "optional")}, indent=1))
@@ -357,5 +361,6 @@ print("measurements in", out, ":", ", ".join(summary["measurements"]) or "none",
       ("; left in " + work + ": " + ", ".join(map(os.path.basename, summary["left_in_work_folder"])))
       if summary["left_in_work_folder"] else "")
 PY
+rm -rf "$SITE" "$WORK/cache"  # the installed wheels and the model copy; the rest of $WORK stays, named in summary.json
 echo "results: $OUT ($(ls "$OUT" | wc -l) files); $fails required stage(s) not ok"
 exit $(( fails > 0 ))
