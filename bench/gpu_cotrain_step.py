@@ -21,6 +21,11 @@ medians with ranges of every arm's seconds, and two overheads:
     paired    median(on) / median(off) - 1          (the whole update with vs without the drafter)
     drafter   median(draft/time_s) / (median(on) - median(draft/time_s))   (bench/cotrain_e2e.py's)
 
+Every arm is timed between ``torch.cuda.synchronize`` calls, so ``paired`` is the GPU's time. The
+drafter's own ``draft/time_s`` is host time inside the step (no synchronisation per microbatch:
+kernels it launched may finish later, and its one read-back waits for the policy's queued work), so on
+CUDA ``drafter`` is indicative only; ``paired`` is the number to quote.
+
 The paper reports < 15% for block drafters (DFlash) and 34% for EAGLE-3 on GPUs. Output
 ``DIR/cotrain_step.json`` (each kind's rounds, medians, overheads, drafter metrics, the peak CUDA memory).
 """
@@ -152,6 +157,8 @@ def run_kind(args, kind: str, ckpt: Path) -> dict:
     return {"kind": kind, "draft_settings": cfg.draft.settings.model_dump(mode="json"), "build_s": build_s, "tokens": args.seqs * args.seq_len,
             "response_tokens": int(batch.mask.sum().item()), "summary": summary,
             "overhead_paired": on / off - 1.0, "overhead_drafter": draft / (on - draft),
+            "overhead_note": "paired: synchronised wall time of the whole update with / without the drafter; "
+                             "drafter: draft/time_s, host time without CUDA syncs (indicative on CUDA)",
             "paper": PAPER.get(kind), "rounds": rounds,
             "peak_cuda_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
             "python_packages": loaded_packages()}
