@@ -38,8 +38,10 @@ def pp_train_step(rank, world, model_path, pp, micro):
     arch, _, hf_state = load_hf_checkpoint(model_path)
     model = build_gpt_model(arch)
     load_hf_weights(model, hf_state, arch)
+    dev = next(model.parameters()).device  # the batch goes where the model is (CPU here, a GPU there)
+    micro = [tuple(t.to(dev) for t in mb) for mb in micro]
     b, s = micro[0][0].shape
-    pos = torch.arange(s)[None].expand(b, s)
+    pos = torch.arange(s, device=dev)[None].expand(b, s)
 
     def loss_func(mask, per_token):
         loss = (per_token.float() * mask).sum() / mask.sum()
@@ -53,7 +55,7 @@ def pp_train_step(rank, world, model_path, pp, micro):
         forward_step_func=forward_step, data_iterator=iter(micro), model=[model], num_microbatches=len(micro),
         seq_length=s, micro_batch_size=b, forward_only=False,
     )
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
     global_grads = convert.from_local(grads, layer_offset(model))
     sq = torch.stack([g.float().pow(2).sum() for g in grads.values()]).sum()
     torch.distributed.all_reduce(sq, group=ps.get_pipeline_model_parallel_group())
@@ -62,7 +64,7 @@ def pp_train_step(rank, world, model_path, pp, micro):
         result["losses"] = [o["loss"].item() for o in out]
     if pp == 1:
         with torch.no_grad():
-            result["logits"] = model(micro[0][0], pos, None)
+            result["logits"] = model(micro[0][0], pos, None).cpu()
     return result
 
 
@@ -79,6 +81,8 @@ def megatron_logits(rank, world, model_path, ids):
     arch, _, hf_state = load_hf_checkpoint(model_path)
     model = build_gpt_model(arch)
     load_hf_weights(model, hf_state, arch)
-    pos = torch.arange(ids.shape[1])[None].expand_as(ids)
+    dev = next(model.parameters()).device
+    ids = ids.to(dev)
+    pos = torch.arange(ids.shape[1], device=dev)[None].expand_as(ids)
     with torch.no_grad():
-        return model(ids, pos, None)
+        return model(ids, pos, None).cpu()

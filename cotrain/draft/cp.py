@@ -37,10 +37,14 @@ def _local_index(layout: BranchLayout, rank: int) -> torch.Tensor:
 
 def fetch_rows(local: torch.Tensor, rows: torch.Tensor, layout: BranchLayout, group=None) -> torch.Tensor:
     """Values (len(rows), ...) of global packed rows ``rows`` from ``local`` (this rank's zigzag
-    shard of a per-position tensor, layout.local_len rows). Rows may repeat or be -1 (zeros)."""
+    shard of a per-position tensor, layout.local_len rows). Rows may repeat or be -1 (zeros).
+
+    Row indices are worked out on the host (as the layout); the values, and the index lists the ranks
+    exchange, travel on ``local``'s device (the backend's: NCCL carries CUDA tensors only)."""
     C = layout.cp_size
     rank = dist.get_rank(group) if C > 1 else 0
-    rows = torch.as_tensor(rows, dtype=torch.int64).reshape(-1)
+    rows = torch.as_tensor(rows).to("cpu", torch.int64).reshape(-1)
+    dev = local.device
     out = local.new_zeros((rows.numel(), *local.shape[1:]))
     valid = rows >= 0
     if C == 1:
@@ -50,15 +54,15 @@ def fetch_rows(local: torch.Tensor, rows: torch.Tensor, layout: BranchLayout, gr
     owner = anchor_owner(layout.cu_seqlens, want, C)
     mine = _local_index(layout, rank)
     # 1. who needs what
-    n = torch.tensor([want.numel()], dtype=torch.int64)
-    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(C)]
+    n = torch.tensor([want.numel()], dtype=torch.int64, device=dev)
+    counts = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(C)]
     dist.all_gather(counts, n, group=group)
     width = int(max(c.item() for c in counts))
     padded = torch.full((width,), -1, dtype=torch.int64)
     padded[: want.numel()] = want
-    lists = [torch.empty(width, dtype=torch.int64) for _ in range(C)]
-    dist.all_gather(lists, padded, group=group)
-    wanted_by = [lists[s][: int(counts[s])] for s in range(C)]
+    lists = [torch.empty(width, dtype=torch.int64, device=dev) for _ in range(C)]
+    dist.all_gather(lists, padded.to(dev), group=group)
+    wanted_by = [lists[s][: int(counts[s])].cpu() for s in range(C)]
     # 2. point to point: send my rows to each requester, receive mine from each owner
     ops, recv_bufs = [], {}
     for s in range(C):

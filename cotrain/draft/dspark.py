@@ -45,7 +45,7 @@ class MarkovHead(nn.Module):
         self.gate = nn.Linear(hidden, 1, bias=True) if gated else None
 
     def bias(self, prev: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        b = self.markov_w2(self.markov_w1(prev))
+        b = self.markov_w2(self.markov_w1(prev.to(self.markov_w1.weight.device)))  # host ids welcome
         if self.gate is not None:
             b = torch.sigmoid(self.gate(hidden)) * b
         return b
@@ -88,7 +88,7 @@ class DSparkDrafter(BlockDrafter):
         src = anchors[:, None] + torch.arange(B)[None, :]
         end = batch.seq_end()[anchors][:, None]
         prev = torch.where(src < end, batch.input_ids[src.clamp(max=T - 1)], torch.full_like(src, self.pad_token_id))
-        logits = self.base_logits(hidden) + self.markov_head.bias(prev.to(hidden.device), hidden)
+        logits = self.base_logits(hidden) + self.markov_head.bias(prev, hidden)
         conf = self.confidence_head(hidden) if self.confidence_head is not None else None
         target_rows, valid = chain_rows(anchors, B, batch)
         return DraftOutput(logits=logits, bonus_pos=anchors, target_rows=target_rows, valid=valid, confidence=conf,

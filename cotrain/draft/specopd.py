@@ -211,9 +211,9 @@ def _sample_eagle3(drafter, batch: DraftBatch, layout: BranchLayout, generator, 
     out = drafter(batch, layout, group=group, next_tokens=lambda t, logits: pick(t - 1, logits))
     pick(k - 1, out.logits[:, k - 1])
     y = torch.stack(ys, 1)
-    anchors = out.bonus_pos - 1
-    return Branches(anchors=anchors, tokens=y, logits=out.logits, valid=_valid(y, eos_token_id), layout=layout,
-                    bonus=batch.input_ids[out.bonus_pos], vocab=vocab)
+    bonus_pos = out.bonus_pos.cpu()  # index space on the host, as the layout (DraftOutput's is the device's)
+    return Branches(anchors=bonus_pos - 1, tokens=y, logits=out.logits, valid=_valid(y, eos_token_id), layout=layout,
+                    bonus=batch.input_ids[bonus_pos], vocab=vocab)
 
 
 # ------------------------------------------------------------------------------- target scoring

@@ -430,7 +430,7 @@ class MegatronPolicyWorker:
         model's: bf16's fp32 main copies) onto ``device``, remembering where each was; ``None`` copies
         them back there. In place of the tensors: every holder (the optimizer's state, Megatron's
         main-parameter groups) keeps the same objects."""
-        model = {id(p) for m in (self.model, self.draft_modules()) for p in m.parameters()}
+        model = {id(p) for m in (self.model, self._drafter_module()) for p in m.parameters()}
         home = getattr(self, "_optimizer_home", {})
         subs = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
         optimizers = [sub.optimizer for sub in subs]
@@ -450,7 +450,7 @@ class MegatronPolicyWorker:
                             t.data = t.data.to(device, copy=True)
         self._optimizer_home = home
 
-    def draft_modules(self) -> torch.nn.Module:
+    def _drafter_module(self) -> torch.nn.Module:
         """The co-trained drafter on this rank (an empty module where there is none)."""
         if self.draft is not None and self.draft.trainer is not None:
             return self.draft.trainer.drafter

@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 #: so the drafter's first update is ~lr * g and its weights after the step compare gradients linearly)
 DRAFT = {"dflash": ["draft.kind=dflash", "draft.dflash.block_size=4", "draft.dflash.anchors_per_seq=2"],
          "eagle3": ["draft.kind=eagle3", "draft.eagle3.ttt_steps=3"]}
+# the same drafters on their own branches (SpecOPD: the policy's tree forward scores them)
+DRAFT.update({f"{k}_op": v + ["draft.branches=on_policy"] for k, v in list(DRAFT.items())})
 DRAFT_OPT = ["draft.cotrain=true", "draft.optimizer.lr=0.5", "draft.optimizer.eps=1.0", "draft.optimizer.clip_grad=0.0"]
 
 
@@ -170,7 +172,8 @@ def run_case(spec: str, device: str, model_dir: Path, work: Path, checks: list[s
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], required=True)
-    ap.add_argument("--cases", required=True, help="comma-separated kind:dtype, kind in plain, dflash, eagle3")
+    ap.add_argument("--cases", required=True,
+                    help="comma-separated kind:dtype, kind in plain, dflash, eagle3, dflash_op, eagle3_op (on-policy)")
     ap.add_argument("--checks", default="", help="comma-separated: offload, rng, resume, pickled (on the first case)")
     ap.add_argument("--model-dir", type=Path, required=True)
     ap.add_argument("--work", type=Path, required=True, help="a folder for run outputs and checkpoints")
@@ -193,6 +196,9 @@ def main(argv=None) -> None:
     for i, spec in enumerate(a.cases.split(",")):
         results[spec] = run_case(spec, a.device, model_dir, a.work, checks if i == 0 else [])
     results["modules"] = sorted(m for m in sys.modules if m.split(".")[0] in ("ray", "vllm") and sys.modules[m])
+    # the installed packages this process imported (what the GPU machine must have or the check carry)
+    results["packages"] = sorted({m.split(".")[0] for m, mod in list(sys.modules.items())
+                                  if mod is not None and "site-packages" in (getattr(mod, "__file__", None) or "")})
     torch.save(results, a.out)
 
 

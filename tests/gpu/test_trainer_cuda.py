@@ -12,8 +12,9 @@ runs Megatron on the CPU) on the same random-weight tiny checkpoint and rollout 
   is about 1% of logits of magnitude ~5, so a few hundredths on a log-prob: masked log-probs within
   0.02 on average and 0.25 at most (the bounds tests/rl/test_trainer_gpu.py uses for TE against local
   attention in bf16), the step's loss within 5% and its gradient norm within 10%.
-* one co-training step (taps, the drafter, its loss and its optimizer) of DFlash and of EAGLE-3 on
-  CUDA in fp32 equals CPU's: draft loss and gradient norm within 1e-4 relative, the drafter's weights
+* one co-training step (taps, the drafter, its loss and its optimizer) of DFlash and of EAGLE-3, each
+  teacher-forced and on its own branches (SpecOPD, the policy's tree forward scoring them), on CUDA
+  in fp32 equals CPU's (the branches are drawn at the same uniforms, so they are the same tokens): draft loss and gradient norm within 1e-4 relative, the drafter's weights
   after its step within 1e-5 (eps = 1, no clipping: the update is ~lr * g, linear in the gradient).
 * (the CUDA process runs with torch's deterministic algorithms and cuBLAS's deterministic workspace,
   so that a repeated step in it is bit-identical)
@@ -34,8 +35,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "gpu" / "_trainer_run.py"
-CPU_CASES = "plain:float32,dflash:float32,eagle3:float32"
-CUDA_CASES = "plain:float32,plain:bfloat16,dflash:float32,eagle3:float32"
+DRAFTERS = ["dflash", "eagle3", "dflash_op", "eagle3_op"]  # _op: on their own branches (SpecOPD)
+CPU_CASES = ",".join(["plain:float32"] + [f"{k}:float32" for k in DRAFTERS])
+# the checks (offload, rng, resume) run on the first case: bf16, whose optimizer also holds fp32 main parameters
+CUDA_CASES = ",".join(["plain:bfloat16", "plain:float32"] + [f"{k}:float32" for k in DRAFTERS])
 
 
 def _run(device: str, cases: str, checks: str, d: Path) -> dict:
@@ -69,7 +72,7 @@ def test_everything_is_on_the_gpu(runs):
     _, cuda = runs
     for case in CUDA_CASES.split(","):
         assert cuda[case]["device"] == "cuda:0" and cuda[case]["param_devices"] == ["cuda:0"], case
-    for case in ("dflash:float32", "eagle3:float32"):
+    for case in (f"{k}:float32" for k in DRAFTERS):
         assert cuda[case]["drafter_devices"] == ["cuda:0"]
         assert cuda[case]["step"]["logprobs"].device.type == "cpu"  # results leave on the CPU
 
@@ -95,7 +98,7 @@ def test_bf16_step_matches_cpu_fp32_within_bf16_tolerance(runs):
     assert _rel(a["metrics"]["grad_norm"], b["metrics"]["grad_norm"]) < 0.1
 
 
-@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+@pytest.mark.parametrize("kind", DRAFTERS)
 def test_cotraining_step_matches_cpu(runs, kind):
     cpu, cuda = runs
     a, b = cuda[f"{kind}:float32"]["step"], cpu[f"{kind}:float32"]["step"]
@@ -112,15 +115,15 @@ def test_cotraining_step_matches_cpu(runs, kind):
 
 def test_cuda_rng_and_resume_through_a_checkpoint(runs):
     _, cuda = runs
-    first, again = cuda["plain:float32"]["rng"]
+    first, again = cuda["plain:bfloat16"]["rng"]
     assert len(first) == 4  # torch CPU, Python, this GPU's generator, Megatron's model-parallel CUDA stream
     for x, y in zip(first, again):
         assert (torch.equal(x, y) if torch.is_tensor(x) else x == y)
-    a, b = cuda["plain:float32"]["resume"]
+    a, b = cuda["plain:bfloat16"]["resume"]
     assert torch.equal(a["logprobs_after"], b["logprobs_after"]) and a["metrics"] == b["metrics"]
 
 
 def test_offload_onload_leaves_the_next_step_bit_identical(runs):
     _, cuda = runs
-    a, b = cuda["plain:float32"]["offload"], cuda["plain:float32"]["offload_ref"]
+    a, b = cuda["plain:bfloat16"]["offload"], cuda["plain:bfloat16"]["offload_ref"]
     assert torch.equal(a["logprobs_after"], b["logprobs_after"]) and a["metrics"] == b["metrics"]
