@@ -27,7 +27,8 @@
 # test's outcome, where each measurement went), gpu_check.log, and the measurements' JSON (+ PNG while
 # slots last); anything else stays in the work folder, named in summary.json.
 #
-# Environment: OUT, PYTHON (default python3), WHEEL_DIR (default .whl), GPU_CHECK_BUDGET_S (default
+# Environment: OUT, PYTHON (default python3), WHEEL_DIR (default .whl), GPU_WHEELS_LIST (the list the
+# wheels stage installs, default scripts/gpu_wheels.txt; tests use their own), GPU_CHECK_BUDGET_S (default
 # 405: stages that would start after it are skipped, which fails the check), COTRAIN_CACHE (default:
 # .whl/cache when gpu_wheels.sh put the built tiny model there, copied to a temp folder).
 set -u
@@ -37,11 +38,12 @@ ROOT=$(pwd)
 DRY=0
 case "${1:-}" in
   --dry-run) DRY=1 ;;
-  -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
   "") ;;
   *) echo "gpu_check.sh: unknown argument $1 (allowed: --dry-run, --help)" >&2; exit 2 ;;
 esac
 WHEEL_DIR=${WHEEL_DIR:-.whl}
+WHEEL_LIST=${GPU_WHEELS_LIST:-scripts/gpu_wheels.txt}
 BUDGET=${GPU_CHECK_BUDGET_S:-405}
 PY=${PYTHON:-python3}
 MAX_FILES=8
@@ -98,7 +100,7 @@ export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 if [[ -z "${COTRAIN_CACHE:-}" && -d "$WHEEL_DIR/cache" ]]; then  # the built tiny model, carried (writable copy)
   cp -r "$WHEEL_DIR/cache" "$WORK/cache" && export COTRAIN_CACHE="$WORK/cache"
 fi
-export OUT WORK SITE ROOT PY WHEEL_DIR
+export OUT WORK SITE ROOT PY WHEEL_DIR WHEEL_LIST
 
 NAMES=() STATUS=() SECS=() NOTES=() LIMITS=() KINDS=()
 now() { date +%s; }
@@ -152,7 +154,7 @@ PY
 
 st_wheels() {
   # the listed wheels not already installed at their pinned version, and compatible with this Python
-  "$PY" - "$ROOT/scripts/gpu_wheels.txt" "$WHEEL_DIR" "$WORK/wheels.txt" <<'PY' || return 1
+  "$PY" - "$WHEEL_LIST" "$WHEEL_DIR" "$WORK/wheels.txt" <<'PY' || return 1
 import glob, os, re, sys
 from importlib import metadata
 try:

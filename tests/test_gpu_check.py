@@ -124,3 +124,46 @@ def test_check_without_a_gpu_fails_at_env_goes_on_and_writes_its_summary(tmp_pat
     files = list(out.iterdir())
     assert len(files) <= 8 and all(f.stat().st_size <= 16 * 2**20 for f in files)
     assert {"summary.json", "gpu_check.log"} <= {f.name for f in files}
+
+
+def _fake_wheel(folder: Path, name: str, version: str, tag: str = "py3-none-any") -> Path:
+    """A minimal wheel of one module ``name`` (what pip --target needs: the module, METADATA, WHEEL, RECORD)."""
+    import zipfile
+
+    path = folder / f"{name}-{version}-{tag}.whl"
+    info = f"{name}-{version}.dist-info"
+    files = {f"{name}.py": f"VERSION = {version!r}\n",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{info}/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: {tag}\n"}
+    files[f"{info}/RECORD"] = "".join(f"{f},,\n" for f in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for f, text in files.items():
+            z.writestr(f, text)
+    return path
+
+
+def _wheels_stage(tmp_path, listing: str) -> tuple[str, str]:
+    """Run gpu_check.sh with a budget that ends soon after the wheels stage; (its status, the log)."""
+    (tmp_path / "list.txt").write_text(listing)
+    out = tmp_path / "out"
+    _run(["bash", "scripts/gpu_check.sh"], timeout=120,
+         env={"OUT": str(out), "PYTHON": sys.executable, "GPU_CHECK_BUDGET_S": "27", "WHEEL_DIR": str(tmp_path / "whl"),
+              "GPU_WHEELS_LIST": str(tmp_path / "list.txt")})
+    summary = json.loads((out / "summary.json").read_text())
+    status = {s["stage"]: s["status"] for s in summary["stages"]}
+    return status["wheels"], (out / "gpu_check.log").read_text()
+
+
+def test_wheels_stage_installs_only_what_is_missing_and_names_what_has_no_wheel(tmp_path):
+    (tmp_path / "whl").mkdir()
+    _fake_wheel(tmp_path / "whl", "h4probe", "1.0")
+    _fake_wheel(tmp_path / "whl", "h4other", "2.0", tag="cp27-cp27m-win32")  # not for this interpreter
+    pyd = importlib.metadata.version("pydantic")
+    status, log = _wheels_stage(tmp_path, f"pydantic=={pyd}  # installed here\nh4probe==1.0\n")
+    assert status == "ok", log
+    assert f"pydantic=={pyd}: already installed" in log
+    assert "h4probe==1.0: h4probe-1.0-py3-none-any.whl" in log
+    assert re.search(r"^h4probe\.py$", log, re.M)  # the --target folder's listing
+    status, log = _wheels_stage(tmp_path, "h4probe==1.0\nh4other==2.0\n")
+    assert status.startswith("FAILED")
+    assert "no wheel for this Python" in log and "h4other==2.0" in log and "gpu_wheels.sh --python" in log
