@@ -97,9 +97,12 @@ def _requires(dist_name: str) -> list[str]:
         from pip._vendor.packaging.requirements import Requirement
     out = []
     for r in reqs:
-        req = Requirement(r)
-        if req.marker is None or req.marker.evaluate({"extra": ""}):
-            out.append(canonical(req.name))
+        try:
+            req = Requirement(r)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                out.append(canonical(req.name))
+        except Exception:  # noqa: BLE001 - a malformed requirement in someone's metadata: not ours to judge
+            continue
     return out
 
 
@@ -124,6 +127,8 @@ def _file_owners() -> dict[str, str]:
 
     owners, depth = {}, {}
     for dist in metadata.distributions():
+        if not dist.metadata["Name"]:  # a broken installation without metadata
+            continue
         name = canonical(dist.metadata["Name"])
         d = len(Path(str(dist.locate_file(""))).resolve().parts)
         for f in dist.files or []:
