@@ -94,6 +94,7 @@ T_START=$(date +%s)
 LOG="$OUT/gpu_check.log"
 : > "$LOG"
 exec > >(tee -a "$LOG") 2>&1
+TEE_PID=$!
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off PIP_NO_INDEX=1 PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -365,4 +366,6 @@ print("measurements in", out, ":", ", ".join(summary["measurements"]) or "none",
 PY
 rm -rf "$SITE" "$WORK/cache"  # the installed wheels and the model copy; the rest of $WORK stays, named in summary.json
 echo "results: $OUT ($(ls "$OUT" | wc -l) files); $fails required stage(s) not ok"
+exec 1>&- 2>&-  # tee sees the end of its input and finishes the log before the script exits
+wait "$TEE_PID" 2>/dev/null || sleep 1
 exit $(( fails > 0 ))
