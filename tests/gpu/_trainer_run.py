@@ -190,6 +190,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(2)
     if a.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cuda.matmul.allow_tf32 = False  # torch's default, stated: fp32 matmuls stay fp32
     model_dir = write_model(a.model_dir)
     checks = list(filter(None, a.checks.split(",")))
     results = {}
