@@ -114,7 +114,7 @@ def test_dry_run_prints_the_stages_and_the_carried_size():
 def test_check_without_a_gpu_fails_at_env_goes_on_and_writes_its_summary(tmp_path):
     out = tmp_path / "out"
     r = _run(["bash", "scripts/gpu_check.sh"], timeout=300,
-             env={"OUT": str(out), "PYTHON": sys.executable, "GPU_CHECK_BUDGET_S": "50", "PATH": os.environ["PATH"]})
+             env={"OUT": str(out), "PYTHON": sys.executable, "GPU_CHECK_BUDGET_S": "50", "TMPDIR": str(tmp_path)})
     assert r.returncode == 1
     summary = json.loads((out / "summary.json").read_text())
     status = {s["stage"]: s["status"] for s in summary["stages"]}
@@ -148,6 +148,7 @@ def _wheels_stage(tmp_path, listing: str) -> tuple[str, str]:
     out = tmp_path / "out"
     _run(["bash", "scripts/gpu_check.sh"], timeout=120,
          env={"OUT": str(out), "PYTHON": sys.executable, "GPU_CHECK_BUDGET_S": "27", "WHEEL_DIR": str(tmp_path / "whl"),
+              "TMPDIR": str(tmp_path),
               "GPU_WHEELS_LIST": str(tmp_path / "list.txt")})
     summary = json.loads((out / "summary.json").read_text())
     status = {s["stage"]: s["status"] for s in summary["stages"]}
