@@ -12,7 +12,8 @@
 # ignore) plus the carried folder .whl/: at most 64 MiB in all. Downloads are binary only
 # (--only-binary=:all:, --no-deps: the list is the whole closure, checked by tests/test_gpu_check.py),
 # for CPython on manylinux x86-64. Wheels in .whl/ that the list no longer names are removed.
-# The built-in tiny model the GPU tests use (built here on first use, ~2 minutes, 3 MiB) is copied to
+# The built-in tiny model (what the tiny_model_path fixture gives a test; built here on first use, ~2 minutes,
+# 3 MiB) is copied to
 # .whl/cache/ so the GPU machine does not rebuild it (gpu_check.sh points COTRAIN_CACHE at a copy).
 #
 # Environment: WHEEL_DIR (default .whl), PYTHON (the interpreter whose pip downloads; default
@@ -32,7 +33,7 @@ while (( $# )); do
     --size) MODE=size ;;
     --python) PYVER=$2; shift ;;
     --no-model) MODEL=0 ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "gpu_wheels.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
