@@ -227,8 +227,18 @@ for mod in ("torch", "megatron.core", "pydantic", "transformers"):
     except Exception as e:  # noqa: BLE001 - the import errors above say why
         res["versions"][mod] = f"does not import: {type(e).__name__}: {e}"[:200]
 res["optional"] = optional
+# the machine's description (scripts/gpu_machine.txt) against what is installed: None = listed, absent
+from importlib import metadata
+res["machine_list"] = {}
+for line in open(os.path.join(os.environ["ROOT"], "scripts", "gpu_machine.txt")):
+    name = line.split("#", 1)[0].strip().split("==")[0].strip()
+    if name:
+        try:
+            res["machine_list"][name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            res["machine_list"][name] = None
 json.dump(res, open(os.path.join(work, "imports.json"), "w"), indent=1)
-print(json.dumps({k: res[k] for k in ("errors", "skipped", "outside", "versions", "optional")}, indent=1))
+print(json.dumps({k: res[k] for k in ("errors", "skipped", "outside", "versions", "optional", "machine_list")}, indent=1))
 if res["outside"]:
     print(f"note: loaded here but in neither scripts/gpu_wheels.txt nor scripts/gpu_machine.txt: {res['outside']}")
 raise SystemExit(1 if res["errors"] else 0)
@@ -338,7 +348,8 @@ summary = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timesp
            "passed": int(os.environ["FAILS"]) == 0, "stages": stages, "env": load("env.json")}
 imp = load("imports.json")
 if imp:
-    summary["imports"] = {k: imp.get(k) for k in ("errors", "skipped", "outside", "versions", "optional", "packages")}
+    summary["imports"] = {k: imp.get(k) for k in ("errors", "skipped", "outside", "versions", "optional", "machine_list",
+                                                  "packages")}
 for kind in ("gpu", "heavy"):
     cases = load(f"pytest-{kind}.json")
     if cases is not None:
