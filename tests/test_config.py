@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from cotrain.config import (
@@ -587,11 +588,20 @@ def _fake_drafter(dirpath: Path, kind="dflash", hidden=128, vocab=None, tap_laye
     (dirpath / "cotrain_drafter.json").write_text(json.dumps({
         "kind": kind, "tap_layers": list(tap_layers),
         "settings": {"tap_layers": list(tap_layers), "num_layers": num_layers}}))
+    from safetensors.torch import save_file
+
+    save_file({"fc.weight": torch.zeros(4, 4)}, str(dirpath / "model.safetensors"))  # a complete file
     assert TINY_QWEN3_CONFIG["hidden_size"] == 128
     return dirpath
 
 
 COTRAIN_DFLASH = ["draft.kind=dflash", "draft.cotrain=true", "rollout.speculative.method=dflash"]
+
+
+def _truncated(drafter: Path) -> Path:
+    f = drafter / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:80])
+    return drafter
 
 
 def test_draft_init_directory_is_checked_against_the_policy_and_the_kind(tmp_path):
@@ -605,6 +615,7 @@ def test_draft_init_directory_is_checked_against_the_policy_and_the_kind(tmp_pat
         (_fake_drafter(tmp_path / "t", tap_layers=(1, 2)), "draft.dflash.tap_layers", "differs from the drafter in"),
         (_fake_drafter(tmp_path / "n", num_layers=2), "draft.dflash.num_layers", "set it to 2"),
         (tmp_path / "nothing", "draft.init", "is not a drafter directory"),
+        (_truncated(_fake_drafter(tmp_path / "cut")), "draft.init", "model.safetensors: 80 bytes, its header needs"),
     ]
     for path, key, fragment in cases:
         assert_issue(error_of([*COTRAIN_DFLASH, f"draft.init={path}"]), key, fragment)

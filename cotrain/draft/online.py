@@ -73,7 +73,7 @@ from cotrain.draft.common import DraftBatch, DraftOutput
 from cotrain.draft.cp import fetch_rows
 from cotrain.draft.dflash import BlockDrafter
 from cotrain.draft.losses import TargetDist, draft_loss, target_dist
-from cotrain.draft.optim import clip_, lr_at, make_optimizer, set_lr
+from cotrain.draft.optim import apply_config, clip_, lr_at, make_optimizer, set_lr
 from cotrain.draft.registry import Drafter
 from cotrain.draft.vocab import DraftVocab, token_counts
 
@@ -528,4 +528,5 @@ class OnlineDraftTrainer:
             for n, p in own.items():
                 p.copy_(state["drafter"][n])
         self.optimizer.load_state_dict(state["optimizer"])
+        apply_config(self.optimizer.param_groups, self.cfg.optimizer, weight_decay=self.cfg.optimizer.weight_decay)
         self.steps_done = int(state["steps_done"])

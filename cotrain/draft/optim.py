@@ -37,6 +37,15 @@ def make_optimizer(module: torch.nn.Module, opt) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
 
 
+def apply_config(param_groups: list[dict], opt, **extra) -> None:
+    """Put ``opt``'s betas and eps (and ``extra`` keys) into every param group, after an optimizer's
+    ``load_state_dict``: a checkpoint's param groups carry the hyperparameters they were saved with,
+    and a resume with a changed config must run on the config's (the learning rate is set each step
+    from the schedule)."""
+    for g in param_groups:
+        g.update(betas=tuple(opt.betas), eps=opt.eps, **extra)
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for g in optimizer.param_groups:
         g["lr"] = lr

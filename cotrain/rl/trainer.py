@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from cotrain.config.validate import total_optimizer_steps
+from cotrain.draft.optim import apply_config
 from cotrain.models import convert
 from cotrain.models.hf_io import load_hf_checkpoint
 from cotrain.models.megatron_compat import seed_model_parallel
@@ -601,6 +602,10 @@ class MegatronPolicyWorker:
             raise RuntimeError(f"checkpoint {directory} does not match the model: missing={missing} "
                                f"unexpected={unexpected}")
         self.optimizer.load_state_dict(state["optimizer"])
+        # the restored param groups carry the saved max_lr / min_lr (which Megatron's scheduler reads
+        # before its own values), betas and eps: the config's win (weight decay is the scheduler's)
+        opt = self.cfg.policy.optimizer
+        apply_config(self.optimizer.param_groups, opt, max_lr=opt.lr, min_lr=min(opt.min_lr, opt.lr))
         self.steps_done = state["steps_done"]
         self.updates_done = state.get("updates_done", self.steps_done)  # older checkpoints: one step per update
         self.scheduler.num_steps = 0  # load_state_dict steps it forward from here

@@ -39,11 +39,14 @@ REF = BASE + ["grpo.global_batch_size=8", "grpo.epochs=2", "grpo.num_steps=3", "
               "policy.optimizer.schedule=cosine", "grpo.clip_eps_low=0.1", "grpo.clip_eps_high=0.1"]
 
 
-def lr_by_hand(k: int) -> float:
+NEW_LR = 0.02  # a resume with a changed learning rate
+
+
+def lr_by_hand(k: int, lr: float = LR) -> float:
     """The learning rate of the k-th optimizer step (from 1): linear warm-up, then cosine to MIN_LR."""
     if k <= WARMUP:
-        return LR * k / WARMUP
-    return MIN_LR + (LR - MIN_LR) * (1 + math.cos(math.pi * (k - WARMUP) / (TOTAL - WARMUP))) / 2
+        return lr * k / WARMUP
+    return MIN_LR + (lr - MIN_LR) * (1 + math.cos(math.pi * (k - WARMUP) / (TOTAL - WARMUP))) / 2
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +130,11 @@ def ref_runs(ray_local, tiny_model_path, tmp_path_factory):
 
     ckpt = tmp_path_factory.mktemp("ckpt")
     out = {}
-    for layout, ov in (("pp1", []), ("resumed", []), ("dp2", ["policy.parallel.data=2"])):
+    for layout, ov in (("pp1", []), ("resumed", []), ("resumed_lr", [f"policy.optimizer.lr={NEW_LR}"]),
+                       ("dp2", ["policy.parallel.data=2"])):
         group = TrainerGroup(load_config("configs/grpo.yaml", REF + ov), tiny_model_path)
         try:
-            if layout == "resumed":
+            if layout.startswith("resumed"):
                 group.load_checkpoint(str(ckpt))
                 batch = on_policy(group, 1)
                 out[layout] = dict(batch=batch, metrics=[group.train_step(batch)], weights=group.named_weights())
@@ -189,6 +193,15 @@ def test_resume_continues_exactly(ref_runs):
         assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), k
     for name, w in run["weights_after_2"].items():
         torch.testing.assert_close(resumed["weights"][name], w, atol=1e-7, rtol=0, msg=name)
+
+
+def test_resume_applies_a_changed_learning_rate(ref_runs):
+    """The checkpoint's optimizer state carries its param groups' max_lr (which Megatron's scheduler
+    reads first): a resume with another policy.optimizer.lr must run on the new one."""
+    m = ref_runs["resumed_lr"]["metrics"][0]
+    assert m["optimizer_steps"] == 8
+    assert m["lr"] == pytest.approx(lr_by_hand(8, NEW_LR), rel=1e-12)
+    assert m["lr"] != pytest.approx(ref_runs["resumed"]["metrics"][0]["lr"], rel=1e-3)
 
 
 @pytest.mark.parametrize("overrides, key, fragments", [
