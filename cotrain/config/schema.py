@@ -684,8 +684,9 @@ class DraftConfig(StrictModel):
     tap_transport: Literal["auto", "shm", "gloo", "nccl", "cuda_ipc"] = "auto"
     """How taps from earlier pipeline stages reach the drafter's stage (TapChannel). auto = per
     source stage by its link: a source on the drafter's node shm (CPU) / cuda_ipc (GPU), one on
-    another node gloo / nccl (from the ranks' Ray node ids at start; on one node auto resolves to
-    shm / cuda_ipc). A name = that transport for every source (shm / cuda_ipc only within a node)."""
+    another node gloo / nccl (from the ranks' Ray node ids at start; on one CPU node auto resolves
+    to shm; on CUDA a source that does not see the drafter's GPU - Ray gives each actor its own
+    GPU - gets nccl). A name = that transport for every source (shm / cuda_ipc only within a node)."""
     tap_timeout_s: PosFloat = 120.0
     """Seconds the drafter's stage waits for a tap (or a writer for a free slot) before the step
     fails with an error naming the layer and source rank."""

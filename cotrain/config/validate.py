@@ -162,9 +162,10 @@ def resolve(cfg: CotrainConfig, arch: ModelArch | None) -> None:
         # several nodes: engines beside other ranks than trainer rank 0 (the sender) cannot map its IPC handles
         r.weight_transport = ("cuda_ipc" if r.colocate and not multi else "nccl") if cuda else \
             ("object_store" if multi else "shm")
-    if cfg.draft.tap_transport == "auto" and not multi:  # one node: shared memory / IPC
-        cfg.draft.tap_transport = "cuda_ipc" if cuda else "shm"
-    # several nodes: auto stays, resolved per source stage from the ranks' Ray node ids at start
+    if cfg.draft.tap_transport == "auto" and not multi and not cuda:  # one CPU node: shared memory
+        cfg.draft.tap_transport = "shm"
+    # several nodes, or CUDA (cuda_ipc only to a source that sees the reader's GPU, else nccl): auto
+    # stays, resolved per source stage at start (TapChannel.choose)
     kind = _kind(cfg)
     if kind is not None:
         if cfg.draft.loss is None:

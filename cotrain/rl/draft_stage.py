@@ -52,12 +52,13 @@ from cotrain.tapchannel import PipelineLayout, TapChannel, attach_tap_hooks, tap
 
 
 def resolve_tap_transport(name: str, device: str, num_nodes: int = 1) -> str:
-    """The channel's transport: a name as given; ``auto`` on one node -> ``cuda_ipc`` on GPU, ``shm``
-    on CPU; ``auto`` on several nodes stays ``auto``: the TapChannel picks per source stage from
-    the ranks' Ray node ids (same node: shm / cuda_ipc, another node: gloo / nccl)."""
-    if name != "auto" or num_nodes > 1:
+    """The channel's transport: a name as given; ``auto`` on one CPU node -> ``shm``; otherwise
+    ``auto`` stays ``auto``: the TapChannel picks per source stage (:meth:`TapChannel.choose`: same
+    node shm / cuda_ipc - nccl for a source that does not see the reader's GPU, as under Ray's
+    one-GPU-per-actor - another node gloo / nccl)."""
+    if name != "auto" or num_nodes > 1 or device == "cuda":
         return name
-    return "cuda_ipc" if device == "cuda" else "shm"
+    return "shm"
 
 
 def tap_metrics(channel: TapChannel) -> dict[str, float]:

@@ -10,6 +10,7 @@ docs/multinode.md: colocated engines share the trainer ranks' GPU bundles), and 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from cotrain.rl.interfaces import GenerationBackend, TrainingBackend, WorkerFactory
 
@@ -65,12 +66,25 @@ def init_ray(cfg) -> None:
     if address is None and os.environ.get("RAY_ADDRESS"):
         address = "auto"  # launched by `ray job submit`: join that cluster
     if address in (None, "local"):
+        # the dashboard on loopback; Ray 2.60's gRPC servers bind every interface and ray.init turns a
+        # loopback node address into the machine's own: its token authentication guards them, with
+        # the token private (docs/multinode.md, "Securing a cluster")
         ray.init(address="local", num_cpus=cfg.cluster.cpus_per_node, num_gpus=cfg.cluster.gpus_per_node or None,
-                 include_dashboard=False, log_to_driver=False)
+                 include_dashboard=False, dashboard_host="127.0.0.1", log_to_driver=False)
+        private_token_file()
         start_reaper()
     else:
         ray.init(address=address, log_to_driver=False)
     exit_on_sigterm()
+
+
+def private_token_file() -> Path | None:
+    """Ray's authentication token (``~/.ray/auth_token``, which Ray 2.60 writes readable by every
+    local user) made readable by its owner only. Returns the file, if there is one."""
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if path.is_file() and path.stat().st_mode & 0o077:
+        path.chmod(0o600)
+    return path if path.is_file() else None
 
 
 _REAPER_SOURCE = r"""

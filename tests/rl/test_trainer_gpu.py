@@ -21,7 +21,7 @@ from cotrain.config import load_config
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 GPU = ["cluster.device=cuda", "policy.micro_batch_size=4", "grpo.prompts_per_step=4", "grpo.group_size=4",
-       "rollout.colocate=true", "rollout.gpus_per_engine=0"]
+       "rollout.colocate=true", "rollout.gpu_memory_utilization=0.2"]
 
 
 def _cfg(*extra: str):
@@ -39,16 +39,18 @@ def ray_gpu():
 def test_trainer_export_reaches_a_colocated_engine(ray_gpu, tiny_model_path):
     from cotrain.models.build_tiny import greedy_answers
     from cotrain.rl.interfaces import SamplingSpec
-    from cotrain.rl.rollout import EngineSpec, RolloutGroup
-    from cotrain.rl.workers import TrainerGroup
+    from cotrain.rl.ray_workers import RayWorkers
 
     prompts = ["457+86=", "12+3=", "999+1=", "5+40="]
     greedy = SamplingSpec(temperature=0.0, max_tokens=8)
-    trainer = TrainerGroup(_cfg("policy.optimizer.lr=3e-2"), str(tiny_model_path))  # a step that shows
+    # the run's own placement: the engine shares its GPU with a trainer rank (colocated bundles)
+    workers = RayWorkers(_cfg("policy.optimizer.lr=3e-2", "rollout.num_engines=1"))  # a step that shows
+    workers.start()
+    trainer = workers.trainer(str(tiny_model_path), None)
     engines = None
     try:
-        engines = RolloutGroup(EngineSpec(str(tiny_model_path), multiprocess=True, gpu_memory_utilization=0.2), 1,
-                               gpus_per_engine=0)
+        engines = workers.rollout(str(tiny_model_path), None)
+        trainer.connect(engines)
         batch = fake_rollout_batch()
         lp = trainer.logprobs(batch)
         batch.old_logprobs = lp.logprobs
@@ -69,6 +71,7 @@ def test_trainer_export_reaches_a_colocated_engine(ray_gpu, tiny_model_path):
         if engines is not None:
             engines.shutdown()
         trainer.shutdown()
+        workers.close()
 
 
 @pytest.mark.parametrize("cp", [1, 2])
