@@ -5,15 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _named_tensors import sample_weights as _weights
+
 from cotrain.weights import WeightPushError, check_manifest, check_push, manifest_of
-
-
-def _weights() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    w = {"a.weight": torch.randn(3, 4, generator=g), "b.bias": torch.arange(5),
-         "c.weight": torch.randn(2, 2, generator=g).to(torch.bfloat16)}
-    w["tied.weight"] = w["a.weight"]  # shares storage: safetensors would refuse it as is
-    return w
 
 
 EXPECTED = {"a.weight": ([3, 4], "float32"), "b.bias": ([5], "int64"), "c.weight": ([2, 2], "bfloat16"),

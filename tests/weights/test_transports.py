@@ -7,16 +7,10 @@ import os
 import pytest
 import torch
 
+from _named_tensors import sample_weights as _weights
+
 from cotrain.weights import WeightPushError, WeightTransport, make_transport, push_through, receiver_for, resolve_transport_name
 from cotrain.weights.transports.shm import ShmTransport
-
-
-def _weights() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    w = {"a.weight": torch.randn(3, 4, generator=g), "b.bias": torch.arange(5),
-         "c.weight": torch.randn(2, 2, generator=g).to(torch.bfloat16)}
-    w["tied.weight"] = w["a.weight"]  # shares storage: safetensors would refuse it as is
-    return w
 
 
 def test_shm_round_trip_and_release(tmp_path):
