@@ -54,8 +54,11 @@ def _has_checkpoint(checkpoint_dir: Path) -> bool:
     return any(checkpoint_dir.glob("step_*/COMPLETE"))
 
 
-def _resume(cfg, resume) -> bool | str:
-    return cfg.checkpoint.resume if resume is None else resume
+def _continues(cfg, resume) -> bool:
+    """Whether the run continues a checkpoint (``resume``, None = ``checkpoint.resume``): a path, or
+    ``true`` with a complete checkpoint in checkpoint.dir."""
+    resume = cfg.checkpoint.resume if resume is None else resume
+    return isinstance(resume, str) or (resume is True and _has_checkpoint(Path(cfg.checkpoint.dir)))
 
 
 def conflict(cfg, resume: bool | str | None = None) -> str | None:
@@ -64,15 +67,15 @@ def conflict(cfg, resume: bool | str | None = None) -> str | None:
     such conflict (the old files are deleted by :func:`claim`)."""
     if cfg.run.overwrite:
         return None
-    out, ck, tb = _folders(cfg)
-    resume = _resume(cfg, resume)
-    if resume is not False and (isinstance(resume, str) or _has_checkpoint(ck)):
+    if _continues(cfg, resume):
         return None  # continuing a run: whose run the checkpoint is, is checked on load (check_resume)
+    out, ck, tb = _folders(cfg)
     files = run_files(out, ck, tb)
     if not files:
         return None
     shown = ", ".join(str(p) for p in files[:4]) + (f" and {len(files) - 4} more" if len(files) > 4 else "")
-    why = ("checkpoint.resume=true finds no checkpoint to continue" if resume is True
+    why = ("checkpoint.resume=true finds no checkpoint to continue" if (cfg.checkpoint.resume if resume is None
+                                                                         else resume) is True
            else "a fresh run would mix its metrics and checkpoints with it")
     where = f"{out}" if ck.parent == out else f"{out} (checkpoints in {ck})"
     return (f"{where} already holds a run ({shown}); {why}. Allowed: resume it (launch/grpo.py --resume, "
@@ -107,8 +110,7 @@ def claim(cfg, run_id: str | None = None, resume: bool | str | None = None) -> s
     if why is not None:
         raise RunFolderError(f"run.output_dir: {why}")
     out, ck, tb = _folders(cfg)
-    resume = _resume(cfg, resume)
-    fresh = resume is False or not (isinstance(resume, str) or _has_checkpoint(ck))
+    fresh = not _continues(cfg, resume)
     if fresh and cfg.run.overwrite:
         for p in run_files(out, ck, tb):
             shutil.rmtree(p) if p.is_dir() else p.unlink()

@@ -92,5 +92,18 @@ def saved_config(step_dir: str | Path) -> dict | None:
     return yaml.safe_load(path.read_text())
 
 
+def diff_against(step_dir: str | Path, now: dict) -> tuple[list[tuple[str, Any, Any]], list[tuple[str, str]]]:
+    """``(applied, refusals)`` of a resume of ``step_dir`` with the config ``now`` (``to_dict()``):
+    the changes it applies, and one ``(key, message)`` config issue per change it cannot follow
+    (both empty for a checkpoint written before configs were saved)."""
+    saved = saved_config(step_dir)
+    if saved is None:
+        return [], []
+    applied, refused = changes(saved, now)
+    return applied, [(key, f"{new!r} differs from {old!r} in checkpoint {step_dir}, which a resume cannot follow: "
+                      f"{why} (allowed: {old!r}, or a fresh run in another run.output_dir)")
+                     for key, old, new, why in refused]
+
+
 def describe(applied: list[tuple[str, Any, Any]]) -> str:
     return "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in applied)

@@ -838,18 +838,13 @@ def unwritable(folder: Path) -> str | None:
 def resume_issues(cfg: CotrainConfig, step_dir: Path | None = None) -> list[Issue]:
     """The keys changed since the checkpoint a resume would continue (``step_dir``; None = the newest
     in checkpoint.dir) that it cannot apply (:mod:`cotrain.config.resume`), each at its key."""
-    from cotrain.config.resume import changes, saved_config
+    from cotrain.config.resume import diff_against
 
     if step_dir is None:
         from cotrain.rl.checkpoint import CheckpointManager
 
         step_dir = CheckpointManager(cfg.checkpoint.dir).latest() if cfg.checkpoint.dir else None
-    saved = saved_config(step_dir) if step_dir is not None else None
-    if saved is None:
-        return []
-    _, refused = changes(saved, cfg.to_dict())
-    return [(key, f"{new!r} differs from {old!r} in checkpoint {step_dir}, which a resume cannot follow: {why} "
-             f"(allowed: {old!r}, or a fresh run in another run.output_dir)") for key, old, new, why in refused]
+    return diff_against(step_dir, cfg.to_dict())[1] if step_dir is not None else []
 
 
 #: the cross-field checks, in order; each takes (cfg, arch) and returns issues

@@ -30,13 +30,13 @@ import torch
 from cotrain import runfolder
 from cotrain.config import ConfigError
 from cotrain.config.resume import describe as describe_changes
+from cotrain.config.resume import diff_against
 from cotrain.rl.batch import TrainBatch, build_batch
 from cotrain.rl.checkpoint import CheckpointError, CheckpointManager, unsafe_files
 from cotrain.rl.grpo import group_advantages, k3_kl
 from cotrain.rl.interfaces import SamplingSpec, WorkerFactory
 from cotrain.rl.metrics import MetricsLogger
 from cotrain.tasks.data import Problem, PromptStream
-from cotrain.runfolder import RunFolderError
 from cotrain.tasks.rewards import exact_match_reward
 
 
@@ -186,7 +186,7 @@ class GrpoRun:
             runfolder.check_resume(cfg, saved.get("run_id"), resume_dir)
             self.resume_changes = self._resume_changes(resume_dir)
             if saved["step"] > cfg.grpo.num_steps:
-                raise RunFolderError(f"grpo.num_steps={cfg.grpo.num_steps} is below the step of checkpoint "
+                raise runfolder.RunFolderError(f"grpo.num_steps={cfg.grpo.num_steps} is below the step of checkpoint "
                                      f"{resume_dir} ({saved['step']}): nothing to continue (allowed: >= "
                                      f"{saved['step']}, or a fresh run)")
         self.run_id = runfolder.claim(cfg, saved.get("run_id") if saved else None, resume=resume or False)
@@ -217,14 +217,10 @@ class GrpoRun:
     def _resume_changes(self, resume_dir: Path) -> list:
         """The config keys changed since ``resume_dir`` was written: those a resume cannot follow
         raise :class:`ConfigError` (before any worker starts), the others are returned (applied)."""
-        from cotrain.config.resume import changes, saved_config
-        from cotrain.config.validate import resume_issues
-
-        refused = resume_issues(self.cfg, Path(resume_dir))
+        applied, refused = diff_against(resume_dir, self.cfg.to_dict())
         if refused:
             raise ConfigError(refused)
-        saved = saved_config(resume_dir)
-        return changes(saved, self.cfg.to_dict())[0] if saved is not None else []
+        return applied
 
     @property
     def cotrain(self) -> bool:
