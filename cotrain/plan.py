@@ -205,6 +205,12 @@ def make_plan(cfg, arch: Arch, hw: Hardware, num_nodes: Optional[int] = None) ->
     T = b * S // c
     rollout = cfg.grpo.prompts_per_step * cfg.grpo.group_size
     M = max(1, rollout // (dp * b))
+    if pol.packing:  # packed micro batches of at most the token budget; the worst case: every sequence max_seq_len
+        from cotrain.config.validate import packing_budget
+
+        budget = packing_budget(cfg)
+        T = -(-budget // c)
+        M = max(1, -(-rollout * S // (dp * budget)))
     epochs = cfg.grpo.epochs
     plan = Plan(model_params=arch.params(), layout={"tp": t, "pp": p, "cp": c, "dp": dp, "world": t * p * c * dp},
                 tokens_per_microbatch=T, microbatches_per_step=M)

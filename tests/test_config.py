@@ -289,12 +289,19 @@ ERROR_CASES = [
     ("gpus_per_engine", ["cluster.device=cuda", "cluster.gpus_per_node=4", "rollout.tensor_parallel=2",
                          "rollout.gpus_per_engine=1"], "rollout.gpus_per_engine", ["allowed: >= 2"]),
     ("group_size", ["grpo.group_size=1"], "grpo.group_size", ["allowed: >= 2"]),
-    ("batch_divisible", ["grpo.prompts_per_step=3", "policy.micro_batch_size=8"], "grpo.prompts_per_step",
+    ("batch_divisible", ["policy.packing=false", "grpo.prompts_per_step=3", "policy.micro_batch_size=8"],
+     "grpo.prompts_per_step",
      ["3*4 = 12", "policy.parallel.data*policy.micro_batch_size = 1*8 = 8", "allowed prompts_per_step: 2, 4, 6"]),
-    ("global_batch_divides", ["grpo.global_batch_size=12"], "grpo.global_batch_size",
+    ("global_batch_divides", ["policy.packing=false", "grpo.global_batch_size=12"], "grpo.global_batch_size",
      ["does not divide", "allowed: 4, 8, 16, 32"]),
-    ("global_batch_micro", ["grpo.global_batch_size=2"], "grpo.global_batch_size",
+    ("global_batch_micro", ["policy.packing=false", "grpo.global_batch_size=2"], "grpo.global_batch_size",
      ["not a multiple", "allowed: 4, 8, 16, 32"]),
+    ("packed_global_batch_dp", ["policy.parallel.data=2", "grpo.global_batch_size=3"], "grpo.global_batch_size",
+     ["does not divide", "allowed: 2, 4, 8, 16, 32"]),
+    ("packed_budget", ["policy.max_tokens_per_microbatch=100"], "policy.max_tokens_per_microbatch",
+     ["below the longest sequence's 128 tokens", "allowed policy.max_tokens_per_microbatch: >= 128"]),
+    ("padded_budget", ["policy.packing=false", "policy.max_tokens_per_microbatch=512"],
+     "policy.max_tokens_per_microbatch", ["acts only with policy.packing=true"]),
     ("num_steps", ["grpo.num_steps=0"], "grpo.num_steps", ["allowed: >= 1"]),
     ("checkpoint_every", ["checkpoint.every=0"], "checkpoint.every", ["allowed: >= 1"]),
     ("kl_needs_reference", ["grpo.kl_coef=0.1"], "grpo.kl_coef", ["policy.reference_model=true", "allowed: 0"]),
@@ -515,7 +522,7 @@ def test_parallel_degrees_property():
     from hypothesis import strategies as st
 
     known = {"policy.parallel.pipeline", "policy.parallel.tensor", "policy.parallel.context", "policy.parallel",
-             "grpo.prompts_per_step", "grpo.global_batch_size", "rollout.num_engines"}
+             "grpo.prompts_per_step", "grpo.global_batch_size", "rollout.num_engines", "policy.micro_batch_size"}
 
     @settings(max_examples=40, deadline=None)
     @given(tp=st.integers(1, 5), pp=st.integers(1, 5), cp=st.integers(1, 4), dp=st.integers(1, 4),
@@ -531,7 +538,7 @@ def test_parallel_degrees_property():
             return
         assert 4 % pp == 0 and 2 % tp == 0 and (cp == 1 or 128 % (2 * cp) == 0)
         assert cfg.world_size + 1 <= cpus
-        assert cfg.rollout_batch_size % (dp * mbs) == 0
+        assert cfg.rollout_batch_size % (dp * (1 if cfg.policy.packing else mbs)) == 0
 
     check()
 

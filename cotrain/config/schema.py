@@ -228,7 +228,23 @@ class PolicyConfig(StrictModel):
     Under policy.parallel.context > 1 with context_parallel_impl 'cotrain', cotrain's ring
     attention is the attention core of either spec."""
     micro_batch_size: PosInt = 4
-    """Sequences per micro batch on one data-parallel rank."""
+    """Sequences per micro batch on one data-parallel rank (policy.packing=false); with packing it
+    sets the default token budget, micro_batch_size * max_seq_len."""
+    packing: bool = True
+    """The update's layout: true = each micro batch's sequences laid end to end (THD: cu_seqlens,
+    attention inside each sequence, positions restarting), micro batches filled up to
+    max_tokens_per_microbatch and balanced over micro batches and data-parallel ranks; false =
+    every sequence right-padded to the step's longest, micro_batch_size rows per micro batch (the
+    padded layout, for comparison: docs/grpo.md)."""
+    max_tokens_per_microbatch: PosInt | None = None
+    """Token budget of one packed micro batch on one data-parallel rank (the sequences' lengths,
+    each rounded up to a multiple of 2 * context parallel size); null = micro_batch_size *
+    max_seq_len. At least max_seq_len (the longest sequence fits). Only with packing=true."""
+    logprob_chunk_tokens: Annotated[int, Field(ge=0)] | None = None
+    """Log-probs (and their backward) computed over chunks of this many positions of a micro
+    batch, so that the [tokens, vocab] logits of the whole micro batch are never alive at once
+    (recomputed chunk by chunk in the backward); null = auto (chunks whose fp32 logits take at
+    most 256 MiB: no chunking at a small vocabulary), 0 = the whole micro batch at once."""
     max_seq_len: Annotated[int, Field(ge=2)] = 256
     """Longest prompt + response in tokens (at most the model's max_position_embeddings)."""
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
@@ -1024,7 +1040,8 @@ class CotrainConfig(StrictModel):
 
     @property
     def micro_batches_per_update(self) -> int | None:
-        """Micro batches per data-parallel rank per optimizer step (gradient accumulation)."""
+        """Padded micro batches per data-parallel rank per optimizer step (gradient accumulation;
+        with policy.packing their number follows the batch's token counts)."""
         gbs = self.grpo.global_batch_size or self.rollout_batch_size
         denom = self.policy.parallel.data * self.policy.micro_batch_size
         return gbs // denom if gbs % denom == 0 else None

@@ -45,10 +45,16 @@ def summary_rows(cfg: CotrainConfig) -> list[tuple[str, str]]:
                f"{d.push_every} step(s), taps via {d.tap_transport}") if d.cotrain else "fixed"
         rows.append(("drafter", f"{d.kind} ({how}); {extra}"))
     mb = cfg.micro_batches_per_update
+    if pol.packing:
+        from cotrain.config.validate import packing_budget
+
+        packed = f"packed micro batches of up to {packing_budget(cfg)} tokens per DP rank"
+    else:
+        packed = f"{mb} padded micro batches of {pol.micro_batch_size} per DP rank"
     rows += [
         ("grpo", f"{g.num_steps} steps x {g.prompts_per_step} prompts x {g.group_size} samples = "
                  f"{cfg.rollout_batch_size} sequences/step; global batch {g.global_batch_size} "
-                 f"({mb} micro batches of {pol.micro_batch_size} per DP rank); baseline {g.baseline}, "
+                 f"({packed}); baseline {g.baseline}, "
                  f"kl_coef {g.kl_coef:g}"),
         ("data", cfg.data.task if cfg.data.task != "jsonl" else f"jsonl {cfg.data.jsonl.path}"),
         ("checkpoint", f"every {cfg.checkpoint.every} steps -> {cfg.checkpoint.dir}"

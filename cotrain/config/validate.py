@@ -302,9 +302,25 @@ def check_batches(cfg: CotrainConfig) -> list[Issue]:
     if g.group_size < 2:
         issues.append(("grpo.group_size", f"{g.group_size}: GRPO needs at least 2 samples per prompt to "
                        "compare them (allowed: >= 2)"))
-    unit = pol.parallel.data * pol.micro_batch_size
     B = cfg.rollout_batch_size
-    desc = (f"policy.parallel.data*policy.micro_batch_size = {pol.parallel.data}*{pol.micro_batch_size} = {unit}")
+    if pol.packing:  # micro batches by token budget: every data-parallel rank needs one sequence
+        unit = pol.parallel.data
+        desc = f"policy.parallel.data = {unit}"
+        budget = packing_budget(cfg)
+        unit_len = 2 * pol.parallel.context if pol.parallel.context > 1 else 1
+        longest = -(-pol.max_seq_len // unit_len) * unit_len
+        if budget < longest and pol.max_seq_len % unit_len == 0:  # (else policy.parallel.context says why)
+            key = "policy.max_tokens_per_microbatch" if pol.max_tokens_per_microbatch else "policy.micro_batch_size"
+            issues.append((key, f"the token budget {budget} is below the longest sequence's {longest} tokens "
+                           f"(policy.max_seq_len={pol.max_seq_len}, rounded up to a multiple of {unit_len}; allowed "
+                           f"policy.max_tokens_per_microbatch: >= {longest})"))
+    else:
+        unit = pol.parallel.data * pol.micro_batch_size
+        desc = (f"policy.parallel.data*policy.micro_batch_size = {pol.parallel.data}*{pol.micro_batch_size} = {unit}")
+        if pol.max_tokens_per_microbatch is not None:
+            issues.append(("policy.max_tokens_per_microbatch", f"{pol.max_tokens_per_microbatch} acts only with "
+                           "policy.packing=true (allowed with packing=false: null; the padded layout's micro batches "
+                           "are policy.micro_batch_size rows)"))
     if B % unit:
         ok = [n for n in range(1, 4 * g.prompts_per_step + unit + 1) if (n * g.group_size) % unit == 0][:6]
         issues.append(("grpo.prompts_per_step", f"prompts_per_step*group_size = {g.prompts_per_step}*"
@@ -331,6 +347,13 @@ def check_batches(cfg: CotrainConfig) -> list[Issue]:
         issues.append(("policy.optimizer.min_lr", f"{opt.min_lr:g} exceeds policy.optimizer.lr={opt.lr:g}: the "
                        f"cosine schedule decays from lr to min_lr (allowed: 0..{opt.lr:g})"))
     return issues
+
+
+def packing_budget(cfg: CotrainConfig) -> int:
+    """The packed micro batch's token budget: policy.max_tokens_per_microbatch, else micro_batch_size *
+    max_seq_len."""
+    pol = cfg.policy
+    return pol.max_tokens_per_microbatch or pol.micro_batch_size * pol.max_seq_len
 
 
 def total_optimizer_steps(cfg: CotrainConfig) -> int | None:

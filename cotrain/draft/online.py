@@ -87,12 +87,22 @@ class RolloutRows:
     mask     [b, S] 1 where the target at position t (token t + 1) is a response token.
     lengths  [b]    real tokens per row (prompt + response), at most S.
     seq_ids  [b]    index of each row in the whole rollout batch (seeds its anchors).
+    widths   [b]    positions each row takes in the policy's forward, in order (its taps and logits):
+                    None = S each (padded rows); packed rows (cotrain.rl.packing) P_s, the row's
+                    length rounded up to a multiple of 2C under CP (= lengths at C = 1).
     """
 
     inputs: torch.Tensor
     mask: torch.Tensor
     lengths: torch.Tensor
     seq_ids: torch.Tensor
+    widths: Optional[torch.Tensor] = None
+
+    def row_widths(self) -> torch.Tensor:
+        """[b] positions of each row in the forward (``widths``, or S each)."""
+        if self.widths is None:
+            return torch.full((len(self),), self.width, dtype=torch.int64)
+        return self.widths.to(torch.int64)
 
     @property
     def width(self) -> int:
@@ -106,23 +116,31 @@ def to_draft_batch(rows: RolloutRows, taps: torch.Tensor, logits: torch.Tensor, 
                    ) -> tuple[DraftBatch, torch.Tensor]:
     """(DraftBatch, target logits in the batch's local row order).
 
-    ``taps`` [b * S / C, n_taps * H] and ``logits`` [b * S / C, V] are this rank's rows in the
-    policy's batch-major order (its zigzag shard under CP).
+    ``taps`` [sum(widths) / C, n_taps * H] and ``logits`` [>= sum(widths) / C, V] are this rank's
+    positions in the policy's order, row after row (its zigzag shard under CP; rows of S positions
+    when padded, of ``rows.widths`` when packed; logits past them, a packed row's filler, are dropped).
     """
     b, S = rows.inputs.shape
     supervised = torch.zeros(b, S, dtype=torch.bool)
     supervised[:, 1:] = rows.mask[:, :-1].bool()  # token t is a response token iff target t-1 is
     any_resp = supervised.any(dim=1)
     first = torch.where(any_resp, supervised.float().argmax(dim=1), rows.lengths)
+    widths = rows.row_widths()
     if cp_size == 1:
         lengths = rows.lengths.to(torch.int64)
-        keep = torch.cat([i * S + torch.arange(int(n)) for i, n in enumerate(lengths.tolist())])
-        ids, lm = rows.inputs.reshape(-1)[keep], supervised.reshape(-1)[keep]
-        taps, logits = taps[keep], logits[keep]
+        starts = torch.cumsum(widths, 0) - widths
+        keep = torch.cat([int(a) + torch.arange(int(n)) for a, n in zip(starts.tolist(), lengths.tolist())])
+        grid = torch.cat([i * S + torch.arange(int(n)) for i, n in enumerate(lengths.tolist())])
+        ids, lm = rows.inputs.reshape(-1)[grid], supervised.reshape(-1)[grid]
+        taps, logits = taps[keep.to(taps.device)], logits[keep.to(logits.device)]
         target_logits = logits
     else:
-        lengths = torch.full((b,), S, dtype=torch.int64)
-        ids, lm = rows.inputs.reshape(-1), supervised.reshape(-1)
+        # whole rows as the forward laid them out (padding included): S each, or packed P_s each
+        lengths = widths
+        grid = torch.cat([i * S + torch.arange(int(n)) for i, n in enumerate(widths.tolist())])
+        ids, lm = rows.inputs.reshape(-1)[grid], supervised.reshape(-1)[grid]
+        n = int(widths.sum()) // cp_size
+        taps, logits = taps[:n], logits[:n]
         target_logits = None
     cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
     batch = DraftBatch(input_ids=ids, cu_seqlens=cu, taps=taps, loss_mask=lm, target_logits=target_logits,

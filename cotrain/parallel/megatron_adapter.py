@@ -15,8 +15,14 @@ cotrain.parallel.zigzag's layout for b sequences of length s (s divisible by 2C,
 [sq, b] transposed to [b, sq] and flattened is the rank's packed local shard.
 
 Window: Megatron's window_size = (left, right) lets query i see keys i - left .. i + right; with
-right = 0 that is the layout's window = left + 1. Not supported (clear errors): attention dropout,
-packed sequences (THD), attention bias, masks other than causal.
+right = 0 that is the layout's window = left + 1.
+
+Packed sequences (THD, ``packed_seq_params``; also at CP = 1, where Megatron's local attention has
+no THD path): query [t, np, hn], t the rank's zigzag share of the packed row; the layout is the
+sequences' real lengths (cu_seqlens_q), each padded to a multiple of 2C as cu_seqlens_q_padded
+says (:mod:`cotrain.rl.packing`).
+
+Not supported (clear errors): attention dropout, attention bias, masks other than causal.
 """
 
 from __future__ import annotations
@@ -98,16 +104,16 @@ class CPBranchCoreAttention(MegatronModule):
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None:
-            raise NotImplementedError("CPBranchCoreAttention: packed sequences (THD) are not supported; use [s, b] batches")
         if attention_bias is not None:
             raise NotImplementedError("CPBranchCoreAttention: attention_bias is not supported")
         if attn_mask_type is not None and attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"attn_mask_type must be causal, got {attn_mask_type}")
         # attention_mask is ignored: the mask is causal by construction (Megatron passes None or the
         # default causal mask here).
-        sq, b, nq, hn = query.shape
         cp_size, group = self._cp()
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params, cp_size, group)
+        sq, b, nq, hn = query.shape
         layout = self._layout(b, sq * cp_size, cp_size)
 
         def packed(x):  # [sq, b, n, hn] -> [b * sq, n, hn]
@@ -118,6 +124,31 @@ class CPBranchCoreAttention(MegatronModule):
             softmax_scale=self.softmax_scale, kernel=self.kernel,
         )
         return out.reshape(b, sq, nq * hn).transpose(0, 1).contiguous()
+
+    def _packed(self, query, key, value, params, cp_size: int, group) -> torch.Tensor:
+        """THD: query [t, np, hn], key / value [t, ng, hn] (Megatron squeezes the batch of one), t this
+        rank's zigzag share of the packed row: sequences ``params.cu_seqlens_q`` (real lengths), each
+        at its ``cu_seqlens_q_padded`` slot. Returns [t, np * hn] (Megatron reshapes it to [t, 1, h])."""
+        if params.qkv_format != "thd":
+            raise NotImplementedError(f"CPBranchCoreAttention: packed qkv_format {params.qkv_format!r} (allowed: thd)")
+        cu = params.cu_seqlens_q.to("cpu", torch.int64)
+        key_ = (tuple(cu.tolist()), cp_size)
+        layout = self._layouts.get(key_)
+        if layout is None:
+            layout = BranchLayout(cu, [], [], window=self.window, cp_size=cp_size)
+            if params.cu_seqlens_q_padded is not None:
+                padded = params.cu_seqlens_q_padded.to("cpu", torch.int64)
+                if not torch.equal(torch.cat([cu[:1], torch.cumsum(layout.padded_seqlens, 0)]), padded):
+                    raise ValueError("CPBranchCoreAttention: cu_seqlens_q_padded must pad each sequence to a multiple "
+                                     f"of 2 * context_parallel_size = {2 * cp_size} (the zigzag rule)")
+            self._layouts = {key_: layout}  # one packed layout at a time (they change every micro batch)
+        t, nq, hn = query.shape
+        if t != layout.local_len:
+            raise ValueError(f"CPBranchCoreAttention: {t} packed positions on this rank, the layout holds "
+                             f"{layout.local_len}")
+        out, _, _, _ = cp_branch_attention(query, key, value, None, None, None, layout, group,
+                                           softmax_scale=self.softmax_scale, kernel=self.kernel)
+        return out.reshape(t, nq * hn)
 
 
 # ------------------------------------------------------------------------------- tree scoring
@@ -169,6 +200,8 @@ class StemKV:
         self.active = False
         self.microbatch = 0
         self.kv: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        #: packed micro batches (THD captures [t, ng, hn]): the positions each row takes, per microbatch
+        self.widths: dict[int, torch.Tensor] = {}
         self._handles = []
         for i, core in enumerate(_core_attentions(gpt)):
             if _window_of(core) is not None:
@@ -195,16 +228,31 @@ class StemKV:
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's keys and values as packed rows [len(keep), ng, hn]: ``keep`` indexes the
         microbatch's b * s positions row after row (at CP = 1 the rows without their padding; at
-        CP > 1 every row of the rank's zigzag shard, padding included, as the drafter's layout)."""
+        CP > 1 every row of the rank's zigzag shard, padding included, as the drafter's layout); a
+        packed capture [t, ng, hn] is already one row."""
         k, v = self._layer(i, microbatch)
-        flat = lambda x: x.transpose(0, 1).reshape(-1, x.shape[2], x.shape[3])  # noqa: E731
+        flat = lambda x: x if x.dim() == 3 else x.transpose(0, 1).reshape(-1, x.shape[2], x.shape[3])  # noqa: E731
         return flat(k)[keep], flat(v)[keep]
 
     def keep_rows(self, layout: BranchLayout, microbatch: Optional[int] = None) -> torch.Tensor:
         """The captured positions the tree ``layout``'s stem is made of (``keep`` of :meth:`packed`):
         at CP = 1 the first ``layout.seqlens[r]`` positions of every captured row r (the rows without
-        their padding); at CP > 1 every position of the rank's shard (whole rows, as captured)."""
-        s, b = self._layer(0, microbatch)[0].shape[:2]
+        their padding); at CP > 1 every position of the rank's shard (whole rows, as captured). Packed
+        (THD) captures: rows of ``widths[microbatch]`` positions, end to end (a filler after them)."""
+        mb = self.microbatch if microbatch is None else microbatch
+        captured = self._layer(0, mb)[0]
+        if captured.dim() == 3:
+            widths = self.widths.get(mb)
+            if widths is None:
+                raise RuntimeError(f"tree scoring: a packed stem for microbatch {mb} without its row widths")
+            if layout.num_seqs != len(widths):
+                raise ValueError(f"tree scoring: the layout has {layout.num_seqs} sequences, the packed stem "
+                                 f"{len(widths)}")
+            if layout.cp_size > 1:
+                return torch.arange(layout.local_len)
+            starts = torch.cumsum(widths, 0) - widths
+            return torch.cat([int(a) + torch.arange(int(n)) for a, n in zip(starts.tolist(), layout.seqlens.tolist())])
+        s, b = captured.shape[:2]
         if layout.num_seqs != b:
             raise ValueError(f"tree scoring: the layout has {layout.num_seqs} sequences, the captured stem {b} rows")
         if layout.cp_size > 1:
@@ -221,8 +269,10 @@ class StemKV:
         """Drop one microbatch's keys/values (all with None)."""
         if microbatch is None:
             self.kv.clear()
+            self.widths.clear()
         else:
             self.kv.pop(microbatch, None)
+            self.widths.pop(microbatch, None)
 
     def remove(self) -> None:
         for h in self._handles:

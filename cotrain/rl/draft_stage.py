@@ -109,7 +109,12 @@ class DraftStage:
         layout = PipelineLayout.from_megatron(model)
         specs = tap_specs(self.tap_layers, layout, width=hidden, dtype=dtype)
         mbs, S = cfg.policy.micro_batch_size, cfg.policy.max_seq_len
-        max_tokens = mbs * (-(-(S + 2 * self.cp) // self.cp))
+        if cfg.policy.packing:  # a packed row: at most the token budget (padded lengths), over C ranks
+            from cotrain.config.validate import packing_budget
+
+            max_tokens = -(-packing_budget(cfg) // self.cp)
+        else:
+            max_tokens = mbs * (-(-(S + 2 * self.cp) // self.cp))
         transport = resolve_tap_transport(d.tap_transport, cfg.cluster.device, cfg.cluster.num_nodes)
         device = self.device if self.device.type == "cuda" else None
         self.transport = transport
@@ -189,12 +194,16 @@ class DraftStage:
         self.hooks.enabled = True
         self._active = True
 
-    def before_forward(self, microbatch: int, num_tokens: int) -> None:
+    def before_forward(self, microbatch: int, num_tokens: int, widths: Optional[torch.Tensor] = None) -> None:
+        """``num_tokens``: this rank's positions to tap (a packed row's real sequences, without its
+        filler); ``widths``: a packed row's per-sequence positions (RolloutRows.widths)."""
         if self._active:
             self.hooks.set_microbatch(microbatch, num_tokens)
             if self.stem is not None:  # every stage: this microbatch's stem keys/values
                 self.stem.microbatch = microbatch
                 self.stem.active = True
+                if widths is not None:
+                    self.stem.widths[microbatch] = widths
 
     def after_logits(self, microbatch: int, rows: RolloutRows, logits: torch.Tensor) -> None:
         """Last stage: ``logits`` [b, S/cp, V/tp] of the microbatch (tempered, detached)."""

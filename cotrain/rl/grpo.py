@@ -122,7 +122,8 @@ def grpo_token_losses(logp: torch.Tensor, old_logp: torch.Tensor, advantages: to
 
 
 def aggregate(token_losses: torch.Tensor, mask: torch.Tensor, loss_agg: str, num_tokens: float | None = None,
-              num_seqs: float | None = None, seq_tokens: torch.Tensor | None = None) -> torch.Tensor:
+              num_seqs: float | None = None, seq_tokens: torch.Tensor | None = None,
+              seq_index: torch.Tensor | None = None) -> torch.Tensor:
     """Reduce [B, T] token losses over response tokens (``mask``).
 
     ``num_tokens``/``num_seqs`` are the global counts when a batch is split into micro-batches (so
@@ -130,14 +131,22 @@ def aggregate(token_losses: torch.Tensor, mask: torch.Tensor, loss_agg: str, num
     ``seq_tokens`` [B]: each sequence's response-token count when ``token_losses`` holds only part
     of every row (context parallelism: a rank's zigzag chunks), so that summing the parts over the
     ranks gives each sequence's mean; by default the rows' own counts.
+    ``seq_index`` [B, T]: packed rows (cotrain.rl.packing), the sequence (0 .. len(seq_tokens) - 1) each
+    position belongs to, -1 for none; seq_mean then sums per sequence, not per row.
     """
     mask = mask.to(token_losses.dtype)
     if loss_agg == "token_mean":
         denom = num_tokens if num_tokens is not None else mask.sum().clamp(min=1)
         return (token_losses * mask).sum() / denom
     if loss_agg == "seq_mean":
-        counts = mask.sum(dim=1) if seq_tokens is None else seq_tokens.to(token_losses.dtype)
-        per_seq = (token_losses * mask).sum(dim=1) / counts.clamp(min=1)
-        denom = num_seqs if num_seqs is not None else token_losses.shape[0]
+        if seq_index is None:
+            counts = mask.sum(dim=1) if seq_tokens is None else seq_tokens.to(token_losses.dtype)
+            sums = (token_losses * mask).sum(dim=1)
+        else:
+            counts = seq_tokens.to(token_losses.dtype)
+            valid = seq_index >= 0
+            sums = token_losses.new_zeros(len(counts)).index_add(0, seq_index[valid], (token_losses * mask)[valid])
+        per_seq = sums / counts.clamp(min=1)
+        denom = num_seqs if num_seqs is not None else len(counts)
         return per_seq.sum() / denom
     raise ValueError(f"grpo.loss_agg: {loss_agg!r} (allowed: {', '.join(LOSS_AGGS)})")

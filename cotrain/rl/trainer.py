@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cotrain.config.validate import total_optimizer_steps
+from cotrain.config.validate import packing_budget, total_optimizer_steps
 from cotrain.draft.optim import apply_config
 from cotrain.models import convert
 from cotrain.models.hf_io import load_hf_checkpoint
@@ -32,6 +32,7 @@ from cotrain.models.megatron_model import (build_gpt_model, gpt_layer_spec, laye
                                            load_tensor_state, resolve_layer_spec, tensor_state, transformer_config)
 from cotrain.parallel.zigzag import zigzag_merge
 from cotrain.rl.batch import TrainBatch
+from cotrain.rl.packing import PackedMicro, rank_micro_batches
 from cotrain.rl.grpo import aggregate, grpo_token_losses
 from cotrain.rl.sampling_filter import filter_active, keep_mask
 
@@ -74,7 +75,8 @@ def policy_layer_spec(cfg, arch, device: torch.device):
     """The policy's layer spec: ``policy.layer_spec`` (local or transformer-engine's fused layers), its attention
     core by ``policy.context_parallel_impl``: megatron_te -> TE's attention (Megatron's own CP); cotrain under
     CP > 1 -> cotrain's ring (:class:`~cotrain.parallel.megatron_adapter.CPBranchCoreAttention`, which takes the
-    spec's q / k / v whatever the linears around it); else the spec's own."""
+    spec's q / k / v whatever the linears around it); the same ring at CP = 1 for packed rows (policy.packing)
+    with the local spec; else the spec's own."""
     kind = resolve_layer_spec(cfg.policy.layer_spec, device)
     core = None
     if cfg.policy.context_parallel_impl == "megatron_te":
@@ -84,7 +86,9 @@ def policy_layer_spec(cfg, arch, device: torch.device):
             raise RuntimeError("policy.context_parallel_impl=megatron_te needs transformer-engine, which does not "
                                "import here (allowed without it: cotrain)")
         core = TEDotProductAttention
-    elif cfg.policy.parallel.context > 1:
+    elif cfg.policy.parallel.context > 1 or (cfg.policy.packing and kind == "local"):
+        # Megatron's local DotProductAttention runs neither CP nor packed (THD) rows: cotrain's ring
+        # kernel does both (TE's attention takes THD itself)
         from cotrain.parallel.megatron_adapter import CPBranchCoreAttention
 
         core = CPBranchCoreAttention
@@ -175,6 +179,33 @@ class MegatronPolicyWorker:
             shard = shard.zigzag(ps.get_context_parallel_rank(), cp)
         return shard.to(self.device)
 
+    def _micro_batches(self, batch: TrainBatch) -> list:
+        """This rank's micro batches of ``batch`` on its device: with policy.packing its share of the
+        token-balanced plan (:mod:`cotrain.rl.packing`: PackedMicro rows, at PP > 1 all of one width),
+        else padded rows (its DP shard, CP zigzag chunks, micro_batch_size rows each)."""
+        if not self.cfg.policy.packing:
+            return self._micro(self._my_shard(batch))
+        micro = rank_micro_batches(batch, packing_budget(self.cfg), ps.get_data_parallel_world_size(),
+                                   ps.get_data_parallel_rank(), ps.get_context_parallel_world_size(),
+                                   ps.get_context_parallel_rank(),
+                                   same_width=ps.get_pipeline_model_parallel_world_size() > 1)
+        return [mb.to(self.device) for mb in micro]
+
+    def _rows_of(self, batch: TrainBatch, micro: list, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, values [len(rows), S]): per-position results of this rank's micro batches (last stage) as the
+        batch's rows this DP rank holds, whole (gathered over CP), on the CPU."""
+        if not self.cfg.policy.packing:
+            n = len(batch) // ps.get_data_parallel_world_size()
+            rows = torch.arange(ps.get_data_parallel_rank() * n, (ps.get_data_parallel_rank() + 1) * n)
+            return rows, self._gather_cp(torch.cat(parts)).cpu()
+        grid = torch.zeros(len(batch), batch.seq_len, device=self.device)
+        for mb, values in zip(micro, parts):
+            mb.scatter(values, grid)
+        if ps.get_context_parallel_world_size() > 1:  # each CP rank wrote its own positions
+            dist.all_reduce(grid, group=ps.get_context_parallel_group())
+        rows = torch.sort(torch.cat([mb.rows for mb in micro])).values
+        return rows, grid[rows.to(self.device)].cpu()
+
     def _gather_cp(self, local: torch.Tensor) -> torch.Tensor:
         """[n, S/cp] zigzag chunks from every CP rank -> [n, S] in sequence order."""
         cp = ps.get_context_parallel_world_size()
@@ -185,15 +216,64 @@ class MegatronPolicyWorker:
         return zigzag_merge(parts, dim=1)
 
     # ------------------------------------------------------------------ forward machinery
-    def _token_logprobs(self, model, mb: TrainBatch, on_logits=None) -> torch.Tensor:
+    def _token_logprobs(self, model, mb, on_logits=None) -> torch.Tensor:
         """log pi(target) for every position, [b, S] (vocab-parallel safe), pi the distribution the
         engines sample from: the tempered logits with vLLM's top-k / top-p filter of
         rollout.sampling (:mod:`cotrain.rl.sampling_filter`: -inf outside the kept set). On the last
-        stage ``on_logits`` receives those filtered tempered logits [b, S, V/tp] (detached) first."""
-        pos = torch.arange(mb.seq_len, device=mb.inputs.device)[None].expand(len(mb), -1)
-        logits = model(mb.inputs, pos, None)
+        stage ``on_logits`` receives those filtered tempered logits [b, S, V/tp] (detached) first.
+        ``mb``: padded rows (TrainBatch) or a packed row (PackedMicro: Megatron's THD path).
+
+        Chunked (policy.logprob_chunk_tokens): the last stage runs the output layer over chunks of
+        the positions, each chunk's logits -> log-probs under activation checkpointing, so the
+        backward recomputes one chunk's [tokens, V/tp] logits at a time instead of keeping them all."""
+        kwargs = {}
+        if isinstance(mb, PackedMicro):
+            pos, kwargs["packed_seq_params"] = mb.positions(), mb.packed_seq_params
+        else:
+            pos = torch.arange(mb.seq_len, device=mb.inputs.device)[None].expand(len(mb), -1)
         if not ps.is_pipeline_last_stage():
-            return logits  # hidden states travelling to the next stage
+            return model(mb.inputs, pos, None, **kwargs)  # hidden states travelling to the next stage
+        gpt = getattr(model, "module", model)
+        weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+        head = gpt.output_layer
+        b, s = mb.inputs.shape
+        chunk = self._chunk_positions(b, (weight if weight is not None else head.weight).shape[0])
+        if chunk >= s:
+            return self._logprobs_from_logits(model(mb.inputs, pos, None, **kwargs), mb.targets, on_logits)
+        head.forward = lambda h, weight=None, runtime_gather_output=None: (h, None)  # the model returns [b, s, h]
+        try:
+            hidden = model(mb.inputs, pos, None, **kwargs)
+        finally:
+            del head.forward
+        seen = [] if on_logits is not None else None
+
+        def piece(h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            logits = head(h.transpose(0, 1), weight=weight)[0].transpose(0, 1)  # [b, c, V/tp]
+            # a copy for on_logits: Megatron's cross-entropy overwrites its input in place
+            keep = None if seen is None else (lambda x: seen.append(x.clone()))
+            return self._logprobs_from_logits(logits, targets, keep)
+
+        out = []
+        for a in range(0, s, chunk):
+            h, t = hidden[:, a:a + chunk], mb.targets[:, a:a + chunk]
+            if torch.is_grad_enabled():
+                out.append(torch.utils.checkpoint.checkpoint(piece, h, t, use_reentrant=False))
+            else:
+                out.append(piece(h, t))
+        if seen is not None:
+            on_logits(torch.cat(seen, dim=1))
+        return torch.cat(out, dim=1)
+
+    def _chunk_positions(self, rows: int, vocab_local: int) -> int:
+        """Positions (along S) per log-prob chunk: policy.logprob_chunk_tokens over ``rows`` rows; null =
+        chunks of at most 256 MiB of fp32 logits; 0 = no chunking."""
+        n = self.cfg.policy.logprob_chunk_tokens
+        if n is None:
+            n = (256 << 20) // (4 * vocab_local)
+        return 1 << 62 if n == 0 else max(1, n // rows)
+
+    def _logprobs_from_logits(self, logits: torch.Tensor, targets: torch.Tensor, on_logits=None) -> torch.Tensor:
+        """[b, s, V/tp] logits -> log pi(targets) [b, s] (see :meth:`_token_logprobs`)."""
         s = self.cfg.rollout.sampling
         logits = logits.float() / (s.temperature or 1.0)
         if filter_active(s.temperature, s.top_k, s.top_p):
@@ -206,7 +286,7 @@ class MegatronPolicyWorker:
             # the target always counts, so every log-prob is finite: a prompt token outside the set
             # (masked out of the loss), or a sampled token the trainer's set misses by a rounding
             # difference at its edge (then its log-prob is over the set plus itself)
-            local = mb.targets - start
+            local = targets - start
             mine = (local >= 0) & (local < logits.shape[-1])
             keep |= torch.zeros_like(keep).scatter_(-1, local.clamp(0, logits.shape[-1] - 1)[..., None], mine[..., None])
             logits = logits.masked_fill(~keep, float("-inf"))
@@ -214,7 +294,7 @@ class MegatronPolicyWorker:
             on_logits(logits.detach())
         # [b, S, V/tp] -> -log p(target): Megatron's vocab-parallel cross-entropy handles TP
         return -tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(),
-                                                             mb.targets.transpose(0, 1).contiguous()).transpose(0, 1)
+                                                             targets.transpose(0, 1).contiguous()).transpose(0, 1)
 
     def _run(self, model, micro: list[TrainBatch], loss_fn, forward_only: bool, draft_rows=None) -> list[dict]:
         """Megatron's schedule over ``micro``; with ``draft_rows`` (one RolloutRows per microbatch)
@@ -224,28 +304,36 @@ class MegatronPolicyWorker:
         def forward_step(data_iterator, model_chunk):
             i, mb = next(data_iterator)
             on_logits = None
-            if draft_rows is not None:
-                self.draft.before_forward(i, mb.inputs.numel())
+            if draft_rows is not None:  # the taps: this rank's positions of the real sequences (no filler)
+                packed = isinstance(mb, PackedMicro)
+                self.draft.before_forward(i, mb.num_real if packed else mb.inputs.numel(),
+                                          widths=mb.widths if packed else None)
                 on_logits = partial(self.draft.after_logits, i, draft_rows[i])
             return self._token_logprobs(model_chunk, mb, on_logits), partial(loss_fn, mb)
 
         # seq_length: the whole row (a CP rank's microbatch holds S / cp of it; Megatron's schedule
-        # divides by the CP size for the shapes it sends between stages)
+        # divides by the CP size for the shapes it sends between stages); a packed micro batch is one
+        # row of its width (every micro batch of a rank alike at PP > 1)
+        packed = isinstance(micro[0], PackedMicro)
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=it, model=[model], num_microbatches=len(micro),
-            seq_length=micro[0].seq_len * ps.get_context_parallel_world_size(), micro_batch_size=len(micro[0]),
-            forward_only=forward_only)
+            seq_length=micro[0].width if packed else micro[0].seq_len * ps.get_context_parallel_world_size(),
+            micro_batch_size=1 if packed else len(micro[0]), forward_only=forward_only)
 
     def _micro(self, shard: TrainBatch) -> list[TrainBatch]:
         return shard.split(max(1, len(shard) // self.cfg.policy.micro_batch_size))
 
     # ------------------------------------------------------------------ public API
-    def _draft_rows(self, full: TrainBatch) -> list:
-        """The drafter's view of each microbatch: whole rows (every position, also under CP) and the
-        rows' indices in the rollout batch; on the host (the drafter's index space: its taps and
-        logits come on the device)."""
+    def _draft_rows(self, batch: TrainBatch, micro: list) -> list:
+        """The drafter's view of each microbatch: whole rows (every position, also under CP), the
+        rows' indices in the rollout batch and, packed, the positions each row takes in the packed
+        row; on the host (the drafter's index space: its taps and logits come on the device)."""
         from cotrain.draft.online import RolloutRows
 
+        if self.cfg.policy.packing:
+            return [RolloutRows(batch.inputs[mb.rows], batch.mask[mb.rows], batch.lengths[mb.rows], mb.rows,
+                                widths=mb.widths) for mb in micro]
+        full = batch.split(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
         offset = ps.get_data_parallel_rank() * len(full)
         rows = []
         for mb in self._micro(full):
@@ -255,12 +343,12 @@ class MegatronPolicyWorker:
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, draft_step: int | None = None) -> dict | None:
-        """Current (and reference) policy log-probs of this rank's shard, on the output ranks.
+        """Current (and reference) policy log-probs of the rows this rank's DP shard holds (``rows``: their
+        indices in ``batch``), on the output ranks.
 
         With ``draft_step`` the co-trained drafter takes a step on this forward (the log-prob
         recomputation of the policy that generated the rollouts; see docs/cotrain.md)."""
-        full = batch.split(ps.get_data_parallel_world_size())[ps.get_data_parallel_rank()]
-        micro = self._micro(self._my_shard(batch))
+        micro = self._micro_batches(batch)
         collect = lambda mb, lp: (lp.sum() * 0, {"lp": lp.detach().float() * mb.mask})  # noqa: E731
         self.model.eval()
         out = {"dp_rank": ps.get_data_parallel_rank()}
@@ -268,7 +356,7 @@ class MegatronPolicyWorker:
         drafting = draft_step is not None and self.draft is not None
         rows = None
         if drafting:
-            rows = self._draft_rows(full)
+            rows = self._draft_rows(batch, micro)
             self.draft.begin(draft_step, len(micro))
         try:
             res = self._run(self.model, micro, collect, forward_only=True, draft_rows=rows)
@@ -279,11 +367,11 @@ class MegatronPolicyWorker:
                 self.draft.abort()
             raise
         if last:  # results leave on the CPU (the driver and Ray expect host tensors)
-            out["logprobs"] = self._gather_cp(torch.cat([r["lp"] for r in res])).cpu()
+            out["rows"], out["logprobs"] = self._rows_of(batch, micro, [r["lp"] for r in res])
         if self.ref_model is not None:
             res = self._run(self.ref_model, micro, collect, forward_only=True)
             if last:
-                out["ref_logprobs"] = self._gather_cp(torch.cat([r["lp"] for r in res])).cpu()
+                out["ref_logprobs"] = self._rows_of(batch, micro, [r["lp"] for r in res])[1]
         self.model.train()
         return out if self._holds_outputs() else None
 
@@ -347,21 +435,27 @@ class MegatronPolicyWorker:
         num_tokens = max(mini.mask.sum().item(), 1.0)
         num_seqs = float(len(mini))
         dp = ps.get_data_parallel_world_size()
-        micro = self._micro(self._my_shard(mini))
-        scale = len(micro) * dp  # undo Megatron's per-microbatch and DP averaging
+        micro = self._micro_batches(mini)
+        # undo Megatron's per-microbatch and DP averaging: Megatron divides each micro batch's loss by
+        # this rank's count of them (packed: ranks may hold different counts) and DDP averages over DP
+        scale = len(micro) * dp
         # each sequence's response tokens over the whole row: under CP a rank holds two zigzag chunks
         # of every row, and seq_mean divides by the sequence's count, not the chunks'
-        full = mini.split(dp)[ps.get_data_parallel_rank()].to(self.device)
-        seq_tokens = {id(mb): rows.mask.sum(dim=1) for mb, rows in zip(micro, self._micro(full))}
+        if self.cfg.policy.packing:
+            seq_tokens = {id(mb): mb.seq_tokens for mb in micro}
+        else:
+            full = mini.split(dp)[ps.get_data_parallel_rank()].to(self.device)
+            seq_tokens = {id(mb): rows.mask.sum(dim=1) for mb, rows in zip(micro, self._micro(full))}
 
         def loss_fn(mb, logp):
-            adv = mb.advantages[:, None].expand_as(logp)
+            packed = isinstance(mb, PackedMicro)  # per-position advantages; seq_mean sums per sequence
+            adv = mb.advantages if packed else mb.advantages[:, None].expand_as(logp)
             tok_loss, info = grpo_token_losses(logp, mb.old_logprobs, adv, g.clip_eps_low, g.clip_eps_high,
                                                ref_logp=mb.ref_logprobs, kl_coef=g.kl_coef,
                                                log_ratio_clamp=g.log_ratio_clamp, clip_ratio_c=g.clip_ratio_c,
                                                kl_clamp=g.kl_clamp)
             loss = aggregate(tok_loss, mb.mask, g.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
-                             seq_tokens=seq_tokens[id(mb)])
+                             seq_tokens=seq_tokens[id(mb)], seq_index=mb.seq if packed else None)
             m = mb.mask
             stats = {"loss": loss.detach() * 1.0, "clip_frac": (info["clipped"] * m).sum() / num_tokens,
                      "ratio_max": (info["ratio"] * m).max()}

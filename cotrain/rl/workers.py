@@ -128,8 +128,12 @@ class TrainerGroup(TrainingBackend):
         """Policy (and reference) log-probs for the whole batch, [N, S] each, in batch order; with
         ``draft_step`` the co-trained drafter's step on the same forward (its metrics)."""
         parts = sorted((r for r in self._all("logprobs", batch, draft_step) if r is not None), key=lambda r: r["dp_rank"])
-        lp = torch.cat([p["logprobs"] for p in parts])
-        ref = torch.cat([p["ref_logprobs"] for p in parts]) if "ref_logprobs" in parts[0] else None
+        lp = torch.zeros(len(batch), batch.seq_len)
+        ref = torch.zeros(len(batch), batch.seq_len) if "ref_logprobs" in parts[0] else None
+        for p in parts:  # each DP rank's rows (contiguous when padded, the packing plan's otherwise)
+            lp[p["rows"]] = p["logprobs"]
+            if ref is not None:
+                ref[p["rows"]] = p["ref_logprobs"]
         return PolicyLogprobs(lp, ref, parts[0].get("draft_metrics"))
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
