@@ -1,0 +1,174 @@
+"""Chunked log-probs at a real vocabulary: the update's tensor memory with and without chunks.
+
+The trainer's log-probs (cotrain/rl/trainer.py, ``_token_logprobs``) run the output layer over chunks
+of a micro batch's positions under activation checkpointing (``policy.logprob_chunk_tokens``; default:
+chunks whose fp32 logits take at most 256 MiB), so the [tokens, vocab] logits of the whole micro
+batch are never alive at once. At a 128-token vocabulary that changes nothing; at Qwen's 151,936
+it is most of the update's memory. This measures it on a model whose vocabulary is 151,936 (a
+random-init Qwen3 of 2 layers, hidden 256, tied embeddings, so that the logits dominate as they do at
+real scale: written once to ``--model-dir``), one packed micro batch of ``--tokens`` positions:
+
+    arms      chunked (policy.logprob_chunk_tokens = null: auto) and whole (= 0)
+    measured  peak tensor memory above the level before the call (the PyTorch profiler's allocation
+              events: independent of the allocator's caching) and seconds, for the log-prob
+              recomputation (no grad) and the training step (forward + backward + optimizer)
+
+Both arms run in one trainer (world size 1, in this process): the key is read at every call, so
+rounds alternate the arms on the same batch (the order rotated each round; the weights move at lr
+1e-6 only), after one unrecorded warm-up step (Adam's state is created on the first); medians
+with [min, max] over ``--rounds``. JSON to ``--out``, a PNG beside it.
+
+    python bench/logprob_chunks.py                                    # 151,936 vocabulary, 2048 tokens, 3 rounds
+    python bench/logprob_chunks.py --quick                            # 8,192 vocabulary, 512 tokens, chunks of 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.measure import peak_allocated_mib  # noqa: E402
+
+
+def write_model(path: Path, vocab: int, hidden: int = 256, layers: int = 2) -> Path:
+    """A random-init Qwen3 checkpoint of ``vocab`` tokens at ``path`` (kept if it is already there)."""
+    if (path / "config.json").exists():
+        return path
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                      max_position_embeddings=4096, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(cfg).save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def make_batch(tokens: int, vocab: int, seqs: int = 8, seed: int = 0):
+    """``seqs`` sequences of about tokens / seqs positions (prompt 16, the rest response), random ids."""
+    from cotrain.rl.batch import build_batch
+    from cotrain.rl.interfaces import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    n = tokens // seqs
+    samples = [Sample(prompt_index=i, prompt_token_ids=torch.randint(2, vocab, (16,), generator=g).tolist(),
+                      token_ids=torch.randint(2, vocab, (n - 15,), generator=g).tolist(), logprobs=[-1.0] * (n - 15),
+                      text="", finish_reason="stop", weight_version=0) for i in range(seqs)]
+    return build_batch(samples, [1.0 if i % 2 else -1.0 for i in range(seqs)], pad_id=0)
+
+
+def run(args) -> dict:
+    from cotrain.config import load_config
+    from cotrain.distributed import find_free_port
+    from cotrain.rl.trainer import MegatronPolicyWorker
+
+    model = write_model(Path(args.model_dir), args.vocab)
+    base = [f"policy.model_path={model}", f"policy.max_seq_len={args.tokens}", "policy.micro_batch_size=1",
+            f"policy.max_tokens_per_microbatch={args.tokens}", "rollout.sampling.max_tokens=8",
+            "policy.reference_model=false", "grpo.kl_coef=0", "grpo.prompts_per_step=1", "grpo.group_size=8",
+            "draft.kind=null", "rollout.speculative.method=null", "policy.optimizer.lr=1e-6"]
+    chunk = [] if args.chunk is None else [f"policy.logprob_chunk_tokens={args.chunk}"]
+    cfgs = {"chunked": load_config(ROOT / "configs/grpo.yaml", base + chunk),
+            "whole": load_config(ROOT / "configs/grpo.yaml", base + ["policy.logprob_chunk_tokens=0"])}
+    worker = MegatronPolicyWorker(cfgs["chunked"], str(model), 0, 1, "127.0.0.1", find_free_port())
+    batch = make_batch(args.tokens, args.vocab)
+    arms = list(cfgs)
+    lps = {}
+    out = {a: {"logprobs_mib": [], "train_mib": [], "logprobs_s": [], "train_s": []} for a in arms}
+    try:
+        from tqdm import tqdm
+
+        # one unrecorded call of each first: the optimizer's state is created on the first step
+        batch.old_logprobs = worker.logprobs(batch)["logprobs"]
+        worker.train_step(batch)
+
+        for r in tqdm(range(args.rounds), desc="rounds"):
+            order = arms[r % 2:] + arms[:r % 2]
+            for arm in order:  # both arms' log-probs on the same weights, then both steps
+                worker.cfg = cfgs[arm]
+                t0 = time.perf_counter()
+                res = {}
+                out[arm]["logprobs_mib"].append(peak_allocated_mib(lambda: res.update(lp=worker.logprobs(batch))))
+                out[arm]["logprobs_s"].append(time.perf_counter() - t0)
+                lps[arm] = res["lp"]["logprobs"]
+            batch.old_logprobs = lps["whole"]
+            for arm in order:
+                worker.cfg = cfgs[arm]
+                t0 = time.perf_counter()
+                out[arm]["train_mib"].append(peak_allocated_mib(lambda: worker.train_step(batch)))
+                out[arm]["train_s"].append(time.perf_counter() - t0)
+    finally:
+        worker.shutdown()
+    logits_mib = args.tokens * args.vocab * 4 / 2**20
+    summary = {}
+    for arm in arms:
+        summary[arm] = {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in out[arm].items()}
+    summary["train_memory_ratio"] = statistics.median(
+        c / w for c, w in zip(out["chunked"]["train_mib"], out["whole"]["train_mib"]))
+    summary["logprobs_max_abs_diff"] = (lps["chunked"] - lps["whole"]).abs().max().item()  # the last round's
+    return {"vocab": args.vocab, "tokens": args.tokens, "rounds": args.rounds, "chunk": args.chunk,
+            "one_logits_copy_mib": logits_mib,
+            "note": "peak tensor memory above the level before the call (MiB), PyTorch profiler allocation events",
+            "per_round": out, "summary": summary}
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    keys = [("logprobs_mib", "log-probs (no grad)"), ("train_mib", "train step")]
+    for i, arm in enumerate(("whole", "chunked")):
+        s = res["summary"][arm]
+        med = [s[k]["median"] for k, _ in keys]
+        err = [[m - s[k]["min"] for (k, _), m in zip(keys, med)], [s[k]["max"] - m for (k, _), m in zip(keys, med)]]
+        ax.bar([j + 0.38 * i for j in range(len(keys))], med, 0.38, yerr=err, label=arm)
+    ax.axhline(res["one_logits_copy_mib"], color="gray", ls="--", lw=1, label="one [tokens, V] fp32 copy")
+    ax.set_xticks([j + 0.19 for j in range(len(keys))], [lbl for _, lbl in keys])
+    ax.set_ylabel("peak tensor memory (MiB)")
+    ax.set_title(f"log-probs at V = {res['vocab']:,}, {res['tokens']} tokens")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--chunk", type=int, default=None, help="the chunked arm's policy.logprob_chunk_tokens "
+                    "(default: null, the trainer's auto rule)")
+    ap.add_argument("--model-dir", default=None, help="where the random-init checkpoint is written (default: "
+                    "runs/bench_logprob_chunks/model-<vocab>)")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/logprob_chunks.json"))
+    ap.add_argument("--quick", action="store_true", help="8,192 vocabulary, 512 tokens, chunks of 64, 1 round")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.vocab, args.tokens, args.rounds, args.chunk = 8192, 512, 1, 64
+    args.model_dir = args.model_dir or str(ROOT / f"runs/bench_logprob_chunks/model-{args.vocab}")
+    res = run(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    plot(res, out.with_suffix(".png"))
+    s = res["summary"]
+    print(f"V={args.vocab} tokens={args.tokens}: train step peak {s['whole']['train_mib']['median']:.0f} MiB whole, "
+          f"{s['chunked']['train_mib']['median']:.0f} MiB chunked (x{s['train_memory_ratio']:.2f}); one logits copy "
+          f"{res['one_logits_copy_mib']:.0f} MiB -> {out}")
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""bench/logprob_chunks.py --quick: the chunked log-probs are the whole micro batch's, and hold less
+tensor memory (a deterministic count of the PyTorch profiler's allocation events, not a timing)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_chunked_logprobs_are_exact_and_smaller(tmp_path):
+    out = tmp_path / "chunks.json"
+    res = subprocess.run([sys.executable, str(ROOT / "bench/logprob_chunks.py"), "--quick", "--out", str(out),
+                          "--model-dir", str(tmp_path / "model")], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(out.read_text())
+    s = r["summary"]
+    assert s["logprobs_max_abs_diff"] <= 1e-6
+    # whole: at least one [tokens, V] fp32 copy of the logits alive; chunks of 64 of 512 positions: far less
+    assert s["whole"]["logprobs_mib"]["median"] >= r["one_logits_copy_mib"]
+    assert s["chunked"]["logprobs_mib"]["median"] < 0.7 * s["whole"]["logprobs_mib"]["median"]
+    assert s["chunked"]["train_mib"]["median"] < s["whole"]["train_mib"]["median"]
+    assert out.with_suffix(".png").exists()
