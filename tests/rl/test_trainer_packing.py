@@ -2,8 +2,8 @@
 a long tail of lengths and a token budget that cuts it into several micro batches (unequal counts on
 the two DP ranks): the policy's log-probs and reference log-probs, loss, grad norm, clipped
 fraction, KL and weights after the step, and the co-trained drafter's loss, gradient norm and
-weights, at PP=1, PP=2, CP=2, DP=2 and TP=2 (token_mean; seq_mean at PP=1 and CP=2), and with the
-log-probs computed in chunks.
+weights, at PP=1, PP=2, CP=2, DP=2 and TP=2 (token_mean; seq_mean at CP=2, where a rank holds only chunks
+of every sequence), and with the log-probs computed in chunks (at DP=2).
 
 Tolerances (fp32): the packed rows run cotrain's attention kernel where the padded ones run
 Megatron's local attention, and sum in another order: log-probs within 1e-5 (absolute and relative: random tokens sit at log-probs near -18), loss / grad norm /
@@ -33,11 +33,10 @@ ARMS = {"padded": ["policy.packing=false", "policy.micro_batch_size=4"],
         "chunked": ["policy.packing=true", f"policy.max_tokens_per_microbatch={BUDGET}", "policy.logprob_chunk_tokens=8"]}
 LAYOUTS = {"pp1": [], "pp2": ["policy.parallel.pipeline=2"], "cp2": ["policy.parallel.context=2"],
            "dp2": ["policy.parallel.data=2"], "tp2": ["policy.parallel.tensor=2"]}
+# chunked log-probs ride on the DP=2 run (two ranks, several micro batches each, chunks of 8 positions)
 RUNS = [("padded", "pp1", "token_mean"), ("packed", "pp1", "token_mean"), ("packed", "pp2", "token_mean"),
-        ("packed", "cp2", "token_mean"), ("packed", "dp2", "token_mean"), ("packed", "tp2", "token_mean"),
-        ("chunked", "pp1", "token_mean"),
-        ("padded", "pp1", "seq_mean"), ("packed", "pp1", "seq_mean"), ("packed", "cp2", "seq_mean")]
-DRAFT_ATOL = {"pp1": 2e-5, "pp2": 2e-5, "dp2": 2e-5, "cp2": 2e-5, "tp2": 2e-5}
+        ("packed", "cp2", "token_mean"), ("chunked", "dp2", "token_mean"), ("packed", "tp2", "token_mean"),
+        ("padded", "pp1", "seq_mean"), ("packed", "cp2", "seq_mean")]
 
 
 def long_tail_batch(seed: int = 0):
@@ -108,7 +107,7 @@ def test_packed_takes_the_padded_step(runs, arm, layout, agg):
         for k in ("draft/loss", "draft/grad_norm", "draft/acceptance_offline", "draft/chains", "draft/positions"):
             assert other["draft"][k] == pytest.approx(base["draft"][k], rel=1e-5, abs=1e-9), k
         for name, w in base["draft_weights"].items():
-            torch.testing.assert_close(other["draft_weights"][name], w, atol=DRAFT_ATOL[layout], rtol=0,
+            torch.testing.assert_close(other["draft_weights"][name], w, atol=2e-5, rtol=0,
                                        msg=lambda m, n=name: f"{n}: {m}")
 
 
