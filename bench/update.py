@@ -78,7 +78,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 WORKLOADS = {"bench_small": "configs/bench_small.yaml", "demo": "configs/demo.yaml"}
-ARMS = {"padded": ["policy.packing=false"], "packed": ["policy.packing=true"]}
+ARMS = {"padded": ["policy.packing=false", "policy.max_tokens_per_microbatch=null"], "packed": ["policy.packing=true"]}
 GOALS = {"speedup": 3.0, "memory_ratio": 0.5, "matmul_fraction": 0.6}
 GIB = 2.0 ** 30
 CACHE_DIR = ROOT / "runs" / "bench_update"

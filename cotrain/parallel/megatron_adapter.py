@@ -20,7 +20,9 @@ right = 0 that is the layout's window = left + 1.
 Packed sequences (THD, ``packed_seq_params``; also at CP = 1, where Megatron's local attention has
 no THD path): query [t, np, hn], t the rank's zigzag share of the packed row; the layout is the
 sequences' real lengths (cu_seqlens_q), each padded to a multiple of 2C as cu_seqlens_q_padded
-says (:mod:`cotrain.rl.packing`).
+says (:mod:`cotrain.rl.packing`). At CP = 1 on the CPU (no window) the sequences run batched by
+length through torch's attention (:mod:`cotrain.parallel.varlen`) instead of the ring kernel's
+call per sequence.
 
 Not supported (clear errors): attention dropout, attention bias, masks other than causal.
 """
@@ -41,6 +43,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from cotrain.parallel.branch_attention import cp_branch_attention, local_branch_attention
 from cotrain.parallel.kernels import BlockKernel
 from cotrain.parallel.layout import BranchLayout, cu_seqlens_from_lengths
+from cotrain.parallel.varlen import VarlenPlan, varlen_causal_attention
 
 
 class CPBranchCoreAttention(MegatronModule):
@@ -133,6 +136,14 @@ class CPBranchCoreAttention(MegatronModule):
             raise NotImplementedError(f"CPBranchCoreAttention: packed qkv_format {params.qkv_format!r} (allowed: thd)")
         cu = params.cu_seqlens_q.to("cpu", torch.int64)
         key_ = (tuple(cu.tolist()), cp_size)
+        t, nq, hn = query.shape
+        if cp_size == 1 and self.window is None and self.kernel is None and query.device.type == "cpu":
+            # many short sequences: batched by length (cotrain.parallel.varlen), not one kernel call each
+            plan = self._layouts.get(key_)
+            if not isinstance(plan, VarlenPlan):
+                plan = VarlenPlan(cu)
+                self._layouts = {key_: plan}
+            return varlen_causal_attention(query, key, value, plan, self.softmax_scale).reshape(t, nq * hn)
         layout = self._layouts.get(key_)
         if layout is None:
             layout = BranchLayout(cu, [], [], window=self.window, cp_size=cp_size)
@@ -142,7 +153,6 @@ class CPBranchCoreAttention(MegatronModule):
                     raise ValueError("CPBranchCoreAttention: cu_seqlens_q_padded must pad each sequence to a multiple "
                                      f"of 2 * context_parallel_size = {2 * cp_size} (the zigzag rule)")
             self._layouts = {key_: layout}  # one packed layout at a time (they change every micro batch)
-        t, nq, hn = query.shape
         if t != layout.local_len:
             raise ValueError(f"CPBranchCoreAttention: {t} packed positions on this rank, the layout holds "
                              f"{layout.local_len}")
