@@ -8,6 +8,7 @@
 - blockdiag: the branch-local (block-diagonal) part of it.
 - balance: per-rank work of a layout, and balanced_anchors (anchor sampling with even work per rank).
 - lse, ring, kernels: the LSE merge, the P2P ring, the pluggable block kernels.
+- varlen: causal attention over packed sequences batched by length (the packed update at CP = 1 on CPU).
 - megatron_adapter: a core_attention module for megatron-core layer specs (imported on demand).
 """
 

@@ -3,7 +3,7 @@ a long tail of lengths and a token budget that cuts it into several micro batche
 the two DP ranks): the policy's log-probs and reference log-probs, loss, grad norm, clipped
 fraction, KL and weights after the step, and the co-trained drafter's loss, gradient norm and
 weights, at PP=1, PP=2, CP=2, DP=2 and TP=2 (token_mean; seq_mean at CP=2, where a rank holds only chunks
-of every sequence), and with the log-probs computed in chunks (at DP=2).
+of every sequence), and with the log-probs computed in chunks (at DP=2 and TP=2).
 
 Tolerances (fp32): the packed rows run cotrain's attention kernel where the padded ones run
 Megatron's local attention, and sum in another order: log-probs within 1e-5 (absolute and relative: random tokens sit at log-probs near -18), loss / grad norm /
@@ -34,8 +34,9 @@ ARMS = {"padded": ["policy.packing=false", "policy.micro_batch_size=4"],
 LAYOUTS = {"pp1": [], "pp2": ["policy.parallel.pipeline=2"], "cp2": ["policy.parallel.context=2"],
            "dp2": ["policy.parallel.data=2"], "tp2": ["policy.parallel.tensor=2"]}
 # chunked log-probs ride on the DP=2 run (two ranks, several micro batches each, chunks of 8 positions)
+# and the TP=2 one (chunks of the vocabulary-parallel logits)
 RUNS = [("padded", "pp1", "token_mean"), ("packed", "pp1", "token_mean"), ("packed", "pp2", "token_mean"),
-        ("packed", "cp2", "token_mean"), ("chunked", "dp2", "token_mean"), ("packed", "tp2", "token_mean"),
+        ("packed", "cp2", "token_mean"), ("chunked", "dp2", "token_mean"), ("chunked", "tp2", "token_mean"),
         ("padded", "pp1", "seq_mean"), ("packed", "cp2", "seq_mean")]
 
 
