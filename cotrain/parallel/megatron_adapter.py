@@ -20,15 +20,16 @@ right = 0 that is the layout's window = left + 1.
 Packed sequences (THD, ``packed_seq_params``; also at CP = 1, where Megatron's local attention has
 no THD path): query [t, np, hn], t the rank's zigzag share of the packed row; the layout is the
 sequences' real lengths (cu_seqlens_q), each padded to a multiple of 2C as cu_seqlens_q_padded
-says (:mod:`cotrain.rl.packing`). At CP = 1 on the CPU (no window) the sequences run batched by
-length through torch's attention (:mod:`cotrain.parallel.varlen`) instead of the ring kernel's
-call per sequence.
+says (:mod:`cotrain.rl.packing`). At CP = 1 (no window) the sequences run batched by length through
+torch's attention (:mod:`cotrain.parallel.varlen`) instead of a kernel call per sequence, unless
+flash-attn's varlen kernel serves (CUDA), which takes them in one call.
 
 Not supported (clear errors): attention dropout, attention bias, masks other than causal.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -41,9 +42,19 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from cotrain.parallel.branch_attention import cp_branch_attention, local_branch_attention
-from cotrain.parallel.kernels import BlockKernel
+from cotrain.parallel.kernels import BlockKernel, FlashVarlenBlockKernel
 from cotrain.parallel.layout import BranchLayout, cu_seqlens_from_lengths
 from cotrain.parallel.varlen import VarlenPlan, varlen_causal_attention
+
+
+@functools.lru_cache(maxsize=1)
+def _has_flash_varlen() -> bool:
+    """Whether flash-attn's varlen kernel serves this process (cotrain.parallel.kernels)."""
+    try:
+        FlashVarlenBlockKernel()
+    except ImportError:
+        return False
+    return True
 
 
 class CPBranchCoreAttention(MegatronModule):
@@ -137,8 +148,10 @@ class CPBranchCoreAttention(MegatronModule):
         cu = params.cu_seqlens_q.to("cpu", torch.int64)
         key_ = (tuple(cu.tolist()), cp_size)
         t, nq, hn = query.shape
-        if cp_size == 1 and self.window is None and self.kernel is None and query.device.type == "cpu":
+        if (cp_size == 1 and self.window is None and self.kernel is None
+                and (query.device.type != "cuda" or not _has_flash_varlen())):
             # many short sequences: batched by length (cotrain.parallel.varlen), not one kernel call each
+            # (flash-attn's varlen kernel, where it serves, takes them all in one call itself)
             plan = self._layouts.get(key_)
             if not isinstance(plan, VarlenPlan):
                 plan = VarlenPlan(cu)
