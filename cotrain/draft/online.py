@@ -76,6 +76,7 @@ from cotrain.draft.losses import TargetDist, draft_loss, target_dist
 from cotrain.draft.optim import apply_config, clip_, lr_at, make_optimizer, set_lr
 from cotrain.draft.registry import Drafter
 from cotrain.draft.vocab import DraftVocab, token_counts
+from cotrain.parallel.layout import spans
 
 
 @dataclass
@@ -126,18 +127,18 @@ def to_draft_batch(rows: RolloutRows, taps: torch.Tensor, logits: torch.Tensor, 
     any_resp = supervised.any(dim=1)
     first = torch.where(any_resp, supervised.float().argmax(dim=1), rows.lengths)
     widths = rows.row_widths()
+    row_starts = torch.arange(b) * S  # each row in the flattened [b, S] grid
     if cp_size == 1:
         lengths = rows.lengths.to(torch.int64)
-        starts = torch.cumsum(widths, 0) - widths
-        keep = torch.cat([int(a) + torch.arange(int(n)) for a, n in zip(starts.tolist(), lengths.tolist())])
-        grid = torch.cat([i * S + torch.arange(int(n)) for i, n in enumerate(lengths.tolist())])
+        keep = spans(torch.cumsum(widths, 0) - widths, lengths)  # the real positions in the forward's order
+        grid = spans(row_starts, lengths)
         ids, lm = rows.inputs.reshape(-1)[grid], supervised.reshape(-1)[grid]
         taps, logits = taps[keep.to(taps.device)], logits[keep.to(logits.device)]
         target_logits = logits
     else:
         # whole rows as the forward laid them out (padding included): S each, or packed P_s each
         lengths = widths
-        grid = torch.cat([i * S + torch.arange(int(n)) for i, n in enumerate(widths.tolist())])
+        grid = spans(row_starts, widths)
         ids, lm = rows.inputs.reshape(-1)[grid], supervised.reshape(-1)[grid]
         n = int(widths.sum()) // cp_size
         taps, logits = taps[:n], logits[:n]

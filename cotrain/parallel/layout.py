@@ -243,6 +243,14 @@ def cu_seqlens_from_lengths(seqlens: IntLike) -> torch.Tensor:
     return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
 
 
+def spans(starts: IntLike, lengths: IntLike) -> torch.Tensor:
+    """The positions [starts[i], starts[i] + lengths[i]) of every span i, concatenated in order (int64):
+    e.g. the real positions of rows laid end to end (starts = the rows' offsets)."""
+    starts, lengths = _as_index_tensor("starts", starts), _as_index_tensor("lengths", lengths)
+    offsets = torch.cumsum(lengths, 0) - lengths  # where each span starts in the output
+    return torch.repeat_interleave(starts - offsets, lengths) + torch.arange(int(lengths.sum()))
+
+
 def eagle3_ttt_layout(
     cu_seqlens: IntLike,
     num_passes: int,

@@ -43,7 +43,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from cotrain.parallel.branch_attention import cp_branch_attention, local_branch_attention
 from cotrain.parallel.kernels import BlockKernel, FlashVarlenBlockKernel
-from cotrain.parallel.layout import BranchLayout, cu_seqlens_from_lengths
+from cotrain.parallel.layout import BranchLayout, cu_seqlens_from_lengths, spans
 from cotrain.parallel.varlen import VarlenPlan, varlen_causal_attention
 
 
@@ -273,8 +273,7 @@ class StemKV:
                                  f"{len(widths)}")
             if layout.cp_size > 1:
                 return torch.arange(layout.local_len)
-            starts = torch.cumsum(widths, 0) - widths
-            return torch.cat([int(a) + torch.arange(int(n)) for a, n in zip(starts.tolist(), layout.seqlens.tolist())])
+            return spans(torch.cumsum(widths, 0) - widths, layout.seqlens)
         s, b = captured.shape[:2]
         if layout.num_seqs != b:
             raise ValueError(f"tree scoring: the layout has {layout.num_seqs} sequences, the captured stem {b} rows")
@@ -286,7 +285,7 @@ class StemKV:
         lens = layout.seqlens
         if bool((lens > s).any()):
             raise ValueError(f"tree scoring: a sequence of {int(lens.max())} tokens in captured rows of {s}")
-        return torch.cat([r * s + torch.arange(int(n)) for r, n in enumerate(lens.tolist())])
+        return spans(torch.arange(b) * s, lens)
 
     def clear(self, microbatch: Optional[int] = None) -> None:
         """Drop one microbatch's keys/values (all with None)."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cotrain.parallel.layout import spans
 from cotrain.parallel.zigzag import padded_seqlens, zigzag_index
 
 
@@ -161,11 +162,10 @@ def pack(batch, rows: list[int], cp: int = 1, rank: int = 0, width: int | None =
         pad_lens.append(width - real_len)
     cu = torch.tensor([0] + seq_lens, dtype=torch.int64).cumsum(0)
     cu_pad = torch.tensor([0] + pad_lens, dtype=torch.int64).cumsum(0)
-    # every real position of the packed main sequence (cu's coordinates) -> its grid index
-    main_grid = torch.cat([r * S + torch.arange(n) for r, n in zip(rows, lengths.tolist())]
-                          + [torch.full((seq_lens[-1],), -1, dtype=torch.int64)] * (len(seq_lens) > len(rows)))
-    main_seq = torch.cat([torch.full((n,), s, dtype=torch.int64) for s, n in enumerate(lengths.tolist())]
-                         + [torch.full((seq_lens[-1],), -1, dtype=torch.int64)] * (len(seq_lens) > len(rows)))
+    # every position of the packed main sequence (cu's coordinates) -> its grid index and sequence (-1: filler)
+    filler = torch.full((int(cu[-1]) - int(lengths.sum()),), -1, dtype=torch.int64)
+    main_grid = torch.cat([spans(idx * S, lengths), filler])
+    main_seq = torch.cat([torch.repeat_interleave(torch.arange(len(rows)), lengths), filler])
     local = zigzag_index(cu, cp, rank)  # this rank's positions in the packed main sequence, -1 = padding
     grid = torch.where(local >= 0, main_grid[local.clamp(min=0)], -1)
     seq = torch.where(local >= 0, main_seq[local.clamp(min=0)], -1)

@@ -456,9 +456,9 @@ class MegatronPolicyWorker:
         scale = len(micro) * dp
         # each sequence's response tokens over the whole row: under CP a rank holds two zigzag chunks
         # of every row, and seq_mean divides by the sequence's count, not the chunks'
-        if self.cfg.policy.packing:
-            seq_tokens = {id(mb): mb.seq_tokens for mb in micro}
-        else:
+        # (packed micro batches carry their own: PackedMicro.seq_tokens)
+        seq_tokens = {}
+        if not self.cfg.policy.packing:
             full = mini.split(dp)[ps.get_data_parallel_rank()].to(self.device)
             seq_tokens = {id(mb): rows.mask.sum(dim=1) for mb, rows in zip(micro, self._micro(full))}
 
@@ -470,7 +470,8 @@ class MegatronPolicyWorker:
                                                log_ratio_clamp=g.log_ratio_clamp, clip_ratio_c=g.clip_ratio_c,
                                                kl_clamp=g.kl_clamp)
             loss = aggregate(tok_loss, mb.mask, g.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
-                             seq_tokens=seq_tokens[id(mb)], seq_index=mb.seq if packed else None)
+                             seq_tokens=mb.seq_tokens if packed else seq_tokens[id(mb)],
+                             seq_index=mb.seq if packed else None)
             m = mb.mask
             stats = {"loss": loss.detach() * 1.0, "clip_frac": (info["clipped"] * m).sum() / num_tokens,
                      "ratio_max": (info["ratio"] * m).max()}

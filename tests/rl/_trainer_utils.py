@@ -26,3 +26,9 @@ def fake_rollout_batch(num_prompts: int = 4, group: int = 4, seed: int = 0, mult
         rewards.append(row)
     adv = group_advantages(torch.tensor(rewards)).flatten().tolist()
     return build_batch(samples, adv, pad_id=tok.pad_token_id, multiple_of=multiple_of)
+
+
+def perturbed_old_logprobs(logprobs: torch.Tensor, mask: torch.Tensor, scale: float = 0.3, seed: int = 0) -> torch.Tensor:
+    """An "old" policy's log-probs: ``logprobs`` plus seeded Gaussian noise on the response targets, so
+    that the ratios leave 1 and clipping (and the KL) are exercised."""
+    return logprobs + scale * torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(seed)) * mask

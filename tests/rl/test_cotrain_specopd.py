@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))  # _cp_dist (spawned ranks)
 
-from _trainer_utils import fake_rollout_batch  # noqa: E402
+from _trainer_utils import fake_rollout_batch, perturbed_old_logprobs  # noqa: E402
 
 from cotrain.config import ConfigError, load_config  # noqa: E402
 
@@ -196,8 +196,7 @@ def runs(tiny_model_path):
                                      draft=second, draft_weights=group.named_weights("draft"))
                     continue
                 lp = group.logprobs(batch, draft_step=1)
-                batch.old_logprobs = lp.logprobs + 0.3 * torch.randn(
-                    lp.logprobs.shape, generator=torch.Generator().manual_seed(0)) * batch.mask
+                batch.old_logprobs = perturbed_old_logprobs(lp.logprobs, batch.mask)
                 metrics = group.train_step(batch)
                 out[name] = dict(batch=batch, lp=lp.logprobs, metrics=metrics, draft=lp.draft_metrics,
                                  weights=group.named_weights("policy"), draft_init=init,

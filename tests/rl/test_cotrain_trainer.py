@@ -18,7 +18,7 @@ import pytest
 import ray
 import torch
 
-from _trainer_utils import fake_rollout_batch
+from _trainer_utils import fake_rollout_batch, perturbed_old_logprobs
 
 from cotrain.config import load_config
 
@@ -53,8 +53,7 @@ def runs(tiny_model_path):
             group = TrainerGroup(config(kind, layout), tiny_model_path)
             try:
                 lp = group.logprobs(batch, draft_step=1 if kind else None)
-                batch.old_logprobs = lp.logprobs + 0.3 * torch.randn(
-                    lp.logprobs.shape, generator=torch.Generator().manual_seed(0)) * batch.mask
+                batch.old_logprobs = perturbed_old_logprobs(lp.logprobs, batch.mask)
                 metrics = group.train_step(batch)
                 r = dict(batch=batch, lp=lp.logprobs, metrics=metrics, draft=lp.draft_metrics,
                          weights=group.named_weights("policy"))

@@ -10,7 +10,7 @@ import pytest
 import ray
 import torch
 
-from _trainer_utils import fake_rollout_batch
+from _trainer_utils import fake_rollout_batch, perturbed_old_logprobs
 
 from cotrain.config import load_config
 
@@ -41,7 +41,7 @@ def results(ray_local, tiny_model_path):
             res = group.logprobs(batch)
             lp, ref = res.logprobs, res.ref_logprobs
             # perturb the "old" policy so that ratios differ from 1 and clipping and KL are exercised
-            batch.old_logprobs = lp + 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(0)) * batch.mask
+            batch.old_logprobs = perturbed_old_logprobs(lp, batch.mask)
             batch.ref_logprobs = ref
             metrics = group.train_step(batch)
             out[(name, agg)] = dict(batch=batch, lp=lp, ref=ref, metrics=metrics, weights=group.named_weights())

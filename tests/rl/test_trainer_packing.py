@@ -17,6 +17,8 @@ import pytest
 import ray
 import torch
 
+from _trainer_utils import perturbed_old_logprobs
+
 from cotrain.config import load_config
 from cotrain.rl.batch import build_batch
 from cotrain.rl.grpo import group_advantages
@@ -71,8 +73,7 @@ def runs(tiny_model_path):
             group = TrainerGroup(cfg, tiny_model_path)
             try:
                 res = group.logprobs(batch, draft_step=1)
-                batch.old_logprobs = res.logprobs + 0.3 * torch.randn(
-                    res.logprobs.shape, generator=torch.Generator().manual_seed(0)) * batch.mask
+                batch.old_logprobs = perturbed_old_logprobs(res.logprobs, batch.mask)
                 batch.ref_logprobs = res.ref_logprobs
                 out[(arm, layout, agg)] = dict(lp=res.logprobs, ref=res.ref_logprobs, draft=res.draft_metrics,
                                                metrics=group.train_step(batch), weights=group.named_weights(),
