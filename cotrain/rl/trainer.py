@@ -689,12 +689,23 @@ class MegatronPolicyWorker:
                                    "saved on CUDA")
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
 
+    def layout(self) -> dict[str, int]:
+        """Where this rank's shard sits (read back by ``python -m cotrain.export``, which merges the
+        shards of any layout): its TP / PP / CP / DP coordinates and sizes, and the global index of
+        its stage's first decoder layer."""
+        return {"rank": self.rank, "world_size": self.world_size,
+                "tp_rank": ps.get_tensor_model_parallel_rank(), "tp": ps.get_tensor_model_parallel_world_size(),
+                "pp_rank": ps.get_pipeline_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_world_size(),
+                "cp_rank": ps.get_context_parallel_rank(), "cp": ps.get_context_parallel_world_size(),
+                "dp_rank": ps.get_data_parallel_rank(), "dp": ps.get_data_parallel_world_size(),
+                "layer_offset": layer_offset(self.model.module)}
+
     def save_checkpoint(self, directory: str) -> None:
         from cotrain.rl.checkpoint import atomic_torch_save
 
         state = {"model": tensor_state(self.model.module), "optimizer": self.optimizer.state_dict(),
                  "steps_done": self.steps_done, "updates_done": self.updates_done,
-                 "scheduler": self.scheduler.state_dict(), **self._rng_state()}
+                 "scheduler": self.scheduler.state_dict(), **self._rng_state(), "layout": self.layout()}
         if self.draft is not None and self.draft.trainer is not None:
             state["draft"] = self.draft.trainer.state_dict()
         atomic_torch_save(state, Path(directory) / f"trainer_rank{self.rank:04d}.pt")
