@@ -289,6 +289,8 @@ ERROR_CASES = [
     ("gpus_per_engine", ["cluster.device=cuda", "cluster.gpus_per_node=4", "rollout.tensor_parallel=2",
                          "rollout.gpus_per_engine=1"], "rollout.gpus_per_engine", ["allowed: >= 2"]),
     ("group_size", ["grpo.group_size=1"], "grpo.group_size", ["allowed: >= 2"]),
+    ("min_groups_with_signal", ["grpo.prompts_per_step=8", "grpo.min_groups_with_signal=9"],
+     "grpo.min_groups_with_signal", ["no step would ever update", "allowed: 0..8"]),
     ("batch_divisible", ["policy.packing=false", "grpo.prompts_per_step=3", "policy.micro_batch_size=8"],
      "grpo.prompts_per_step",
      ["3*4 = 12", "policy.parallel.data*policy.micro_batch_size = 1*8 = 8", "allowed prompts_per_step: 2, 4, 6"]),

@@ -834,6 +834,21 @@ class GrpoConfig(StrictModel):
     kl_clamp: PosFloat | None = 10.0
     """Cap of each token's k3 KL penalty (verl and NeMo-RL cap at 10); the kl/ref metric stays
     unclamped. null = no cap."""
+    min_groups_with_signal: NonNegInt = 1
+    """A step updates the policy only if at least this many of its groups carry a learning signal
+    (rewards not all equal; a group of equal rewards has advantage 0 for every sample). Fewer: the
+    step takes no optimizer step - the policy's weights, optimizer state and LR schedule stay
+    exactly as they were - while the co-trained drafter still trains on its rollouts (the current
+    policy's real outputs). 0 = always step (Adam's moments then move the weights on a zero
+    gradient). At most prompts_per_step."""
+    resample_rounds: NonNegInt = 0
+    """DAPO's dynamic sampling: a step may draw up to this many further rounds of prompts_per_step
+    prompts (each round its own seed), keeping only the groups whose rewards differ, until it holds
+    prompts_per_step of them (the first in draw order: the step keeps its shape). Still short after
+    the last round: the step is filled with the groups without signal it drew (advantage 0) and
+    min_groups_with_signal decides whether it updates. Reported: grpo/groups_with_signal,
+    grpo/resampled_prompts. reward/* stay the first round's (an unbiased sample of the policy).
+    0 = off: every group drawn is trained on."""
 
 
 # -------------------------------------------------------------------------------------------- data

@@ -302,6 +302,10 @@ def check_batches(cfg: CotrainConfig) -> list[Issue]:
     if g.group_size < 2:
         issues.append(("grpo.group_size", f"{g.group_size}: GRPO needs at least 2 samples per prompt to "
                        "compare them (allowed: >= 2)"))
+    if g.min_groups_with_signal > g.prompts_per_step:
+        issues.append(("grpo.min_groups_with_signal", f"{g.min_groups_with_signal} is more than a step's "
+                       f"grpo.prompts_per_step={g.prompts_per_step} groups: no step would ever update the policy "
+                       f"(allowed: 0..{g.prompts_per_step})"))
     B = cfg.rollout_batch_size
     if pol.packing:  # micro batches by token budget: every data-parallel rank needs one sequence
         unit = pol.parallel.data

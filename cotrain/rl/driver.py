@@ -3,11 +3,13 @@
     for each step:
         prompts   <- the next prompts_per_step problems
         rollouts  <- group_size samples per prompt from the engines (current weights)
-        rewards   <- verifiable reward of each response
+        rewards   <- verifiable reward of each response; groups whose rewards are all equal carry no
+                     learning signal (grpo.resample_rounds: more prompts drawn in their place, DAPO)
         advantages<- group-normalised rewards
         log-probs <- the policy's recomputation on the rollout batch; the co-trained drafter
                      trains on this very forward (its taps, the policy's detached logits)
-        update    <- GRPO optimizer step on the trainers
+        update    <- GRPO optimizer step on the trainers (none - the policy stays bit-identical -
+                     when fewer than grpo.min_groups_with_signal groups carry a signal)
         push      <- new policy (and drafter) weights into the engines (versioned)
         metrics   -> JSONL / TensorBoard / W&B / MLflow;  checkpoint every N steps
 
@@ -33,8 +35,8 @@ from cotrain.config.resume import describe as describe_changes
 from cotrain.config.resume import diff_against
 from cotrain.rl.batch import TrainBatch, build_batch
 from cotrain.rl.checkpoint import CheckpointError, CheckpointManager, unsafe_files
-from cotrain.rl.grpo import group_advantages, k3_kl
-from cotrain.rl.interfaces import SamplingSpec, WorkerFactory
+from cotrain.rl.grpo import group_advantages, groups_with_signal, k3_kl, select_groups
+from cotrain.rl.interfaces import GenerationResult, Sample, SamplingSpec, WorkerFactory
 from cotrain.rl.metrics import MetricsLogger
 from cotrain.tasks.data import Problem, PromptStream
 from cotrain.tasks.rewards import exact_match_reward
@@ -141,6 +143,19 @@ def check_finite(step: int, train_metrics: dict[str, float]) -> None:
 
 
 @dataclass
+class StepGroups:
+    """The groups a step drew (:meth:`GrpoRun.draw_groups`). P = grpo.prompts_per_step, G = group_size."""
+
+    first: GenerationResult          # the first round's rollouts [P][G] and metrics (what reward/* report)
+    first_problems: list[Problem]    # [P] its prompts
+    first_rewards: torch.Tensor      # [P, G] its rewards
+    samples: list[list[Sample]]      # [P][G] the groups the update trains on (resampled: with signal first)
+    rewards: torch.Tensor            # [P, G] their rewards
+    with_signal: int                 # how many of them carry a learning signal (rewards not all equal)
+    resampled_prompts: int           # prompts drawn beyond the first round
+
+
+@dataclass
 class DriverState:
     """What the driver itself needs to resume exactly (the workers checkpoint their own state)."""
 
@@ -234,51 +249,87 @@ class GrpoRun:
         return self.cotrain and spec.method is not None and spec.method == d.record.vllm_method
 
     # ------------------------------------------------------------------ one step
-    def sampling(self, step: int) -> SamplingSpec:
+    def sampling(self, step: int, round: int = 0) -> SamplingSpec:
         s = self.cfg.rollout.sampling
-        # a per-step seed makes every step's rollouts reproducible, which is what resume relies on
+        # a per-step (and per-round: grpo.resample_rounds) seed makes every step's rollouts
+        # reproducible, which is what resume relies on
         return SamplingSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
-                            seed=self.cfg.run.seed * 1_000_003 + step)
+                            seed=self.cfg.run.seed * 1_000_003 + step + round * 2**32)
+
+    def draw_groups(self, step: int) -> StepGroups:
+        """The step's groups: one round of prompts_per_step prompts, then (grpo.resample_rounds,
+        DAPO's dynamic sampling) further rounds while fewer than prompts_per_step groups carry a
+        learning signal; the update's groups are :func:`~cotrain.rl.grpo.select_groups`'."""
+        cfg, g = self.cfg, self.cfg.grpo
+        P = g.prompts_per_step
+        problems = self.stream.take(P)
+        first = self.rollout.generate([p.prompt for p in problems], self.sampling(step), n=g.group_size)
+        first_rewards = score(cfg, first.samples, problems)
+        samples, rewards = list(first.samples), [first_rewards]
+        signal = groups_with_signal(first_rewards).tolist()
+        for r in range(1, g.resample_rounds + 1):
+            if sum(signal) >= P:
+                break
+            more = self.stream.take(P)
+            gen = self.rollout.generate([p.prompt for p in more], self.sampling(step, r), n=g.group_size)
+            problems, samples = problems + more, samples + gen.samples
+            rewards.append(score(cfg, gen.samples, more))
+            signal += groups_with_signal(rewards[-1]).tolist()
+        keep = select_groups(signal, P) if g.resample_rounds else list(range(P))
+        rewards = torch.cat(rewards)[keep]
+        return StepGroups(first=first, first_problems=problems[:P], first_rewards=first_rewards,
+                          samples=[samples[i] for i in keep], rewards=rewards,
+                          with_signal=int(groups_with_signal(rewards).sum()), resampled_prompts=len(problems) - P)
 
     def step(self, step: int) -> dict[str, float]:
         cfg, g = self.cfg, self.cfg.grpo
         m: dict[str, float] = {}
-        problems = self.stream.take(g.prompts_per_step)
         with timed(m, "time/rollout"):
-            gen = self.rollout.generate([p.prompt for p in problems], self.sampling(step), n=g.group_size)
-        rewards = score(cfg, gen.samples, problems)
-        m.update(reward_metrics(gen.samples, problems))
-        adv = group_advantages(rewards, g.baseline, g.normalize_std)
-        flat = [s for row in gen.samples for s in row]
+            groups = self.draw_groups(step)
+        m.update(reward_metrics(groups.first.samples, groups.first_problems))
+        adv = group_advantages(groups.rewards, g.baseline, g.normalize_std)
+        flat = [s for row in groups.samples for s in row]
         cp = cfg.policy.parallel.context  # zigzag CP splits every sequence into 2*CP equal chunks
         batch = build_batch(flat, adv.flatten().tolist(), self.pad_id, multiple_of=2 * cp if cp > 1 else 1)
+        # fewer groups with a learning signal than grpo.min_groups_with_signal: no optimizer step (the
+        # policy, its optimizer state and LR schedule stay exactly as they are); the drafter still trains
+        update = groups.with_signal >= g.min_groups_with_signal
         with timed(m, "time/update"), self.engines_asleep():
             # the log-prob recomputation; the co-trained drafter takes its step on this same forward
             lp = self.trainer.logprobs(batch, draft_step=step if self.cotrain else None)
             batch.old_logprobs, batch.ref_logprobs = lp.logprobs, lp.ref_logprobs
             m.update(train_inference_kl(batch))
-            train_metrics = self.trainer.train_step(batch)
-        check_finite(step, train_metrics)  # before the policy is pushed, logged or saved
+            train_metrics = self.trainer.train_step(batch) if update else None
+        if update:
+            check_finite(step, train_metrics)  # before the policy is pushed, logged or saved
         with timed(m, "time/weight_push"):
-            self.push("policy", version=step)
+            if update:  # (an unchanged policy is not pushed again)
+                self.push("policy", version=step)
             if self.serves_cotrained_drafter and step % cfg.draft.push_every == 0:
                 m.update(self.push_draft(step))
+        first, first_flat = groups.first_rewards, [s for row in groups.first.samples for s in row]
         m.update({
-            "reward/mean": rewards.mean().item(),
-            "reward/std": rewards.std().item(),
-            "reward/accuracy": (rewards == cfg.reward.correct).float().mean().item(),
-            "response/length": sum(len(s.token_ids) for s in flat) / len(flat),
-            "response/truncated": sum(s.finish_reason == "length" for s in flat) / len(flat),
-            "train/loss": train_metrics["loss"],
-            "train/grad_norm": train_metrics["grad_norm"],
-            "train/clip_frac": train_metrics["clip_frac"],
-            **{f"train/{k}": train_metrics[k] for k in ("lr", "optimizer_steps") if k in train_metrics},
+            "reward/mean": first.mean().item(),
+            "reward/std": first.std().item(),
+            "reward/accuracy": (first == cfg.reward.correct).float().mean().item(),
+            "response/length": sum(len(s.token_ids) for s in first_flat) / len(first_flat),
+            "response/truncated": sum(s.finish_reason == "length" for s in first_flat) / len(first_flat),
+            "grpo/groups_with_signal": float(groups.with_signal),
+            "grpo/resampled_prompts": float(groups.resampled_prompts),
+            "train/skipped": 0.0 if update else 1.0,
         })
-        if "kl_ref" in train_metrics:
-            m["kl/ref"] = train_metrics["kl_ref"]
+        if update:
+            m.update({
+                "train/loss": train_metrics["loss"],
+                "train/grad_norm": train_metrics["grad_norm"],
+                "train/clip_frac": train_metrics["clip_frac"],
+                **{f"train/{k}": train_metrics[k] for k in ("lr", "optimizer_steps") if k in train_metrics},
+            })
+            if "kl_ref" in train_metrics:
+                m["kl/ref"] = train_metrics["kl_ref"]
         if lp.draft_metrics is not None:
             m.update(draft_step_metrics(lp.draft_metrics, m["time/update"]))
-        m.update(rollout_metrics(gen.metrics))
+        m.update(rollout_metrics(groups.first.metrics))
         return m
 
     @contextmanager

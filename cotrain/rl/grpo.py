@@ -59,6 +59,22 @@ def group_advantages(rewards: torch.Tensor, baseline: str = "mean", normalize_st
     return adv.float()
 
 
+def groups_with_signal(rewards: torch.Tensor) -> torch.Tensor:
+    """``rewards`` [P, G] -> [P] bool: the group's rewards are not all equal. A group of equal
+    rewards has advantage 0 for every sample under either baseline, so it carries no learning
+    signal (with grpo.kl_coef > 0 only the KL term pulls on it)."""
+    return rewards.amax(dim=1) != rewards.amin(dim=1)
+
+
+def select_groups(signal: list[bool], keep: int) -> list[int]:
+    """DAPO's dynamic sampling over the groups drawn in a step, in draw order (``signal``: which carry
+    a learning signal): the indices of the ``keep`` groups the update trains on - the first ``keep``
+    with signal, filled up (when fewer were drawn) with the first ones without, in draw order."""
+    with_signal = [i for i, s in enumerate(signal) if s][:keep]
+    without = [i for i, s in enumerate(signal) if not s][:keep - len(with_signal)]
+    return sorted(with_signal + without)
+
+
 #: defaults of the guards, the same as grpo.log_ratio_clamp / grpo.clip_ratio_c / grpo.kl_clamp
 LOG_RATIO_CLAMP = 20.0
 CLIP_RATIO_C = 3.0

@@ -36,8 +36,11 @@ def _correct(seed: int, i: int, j: int) -> bool:
 
 
 class FakeRollout(GenerationBackend):
-    def __init__(self, log: list, reject_draft: set[int] = frozenset(), fail_policy: set[int] = frozenset()):
+    def __init__(self, log: list, reject_draft: set[int] = frozenset(), fail_policy: set[int] = frozenset(),
+                 correct=None):
         self.log, self.reject_draft, self.fail_policy = log, reject_draft, fail_policy
+        # whether sample j of a prompt is answered correctly: (seed, i, j, prompt) -> bool
+        self.correct = correct or (lambda seed, i, j, prompt: _correct(seed, i, j))
         self.version = 0
 
     def generate(self, prompts, sampling, n):
@@ -47,7 +50,7 @@ class FakeRollout(GenerationBackend):
             answer = str(eval(prompt.rstrip("=")))  # the arithmetic task: "12+34="
             row = []
             for j in range(n):
-                text = answer if _correct(sampling.seed, i, j) else answer + "1"
+                text = answer if self.correct(sampling.seed, i, j, prompt) else answer + "1"
                 ids = [3 + (ord(c) % 40) for c in text]
                 row.append(Sample(prompt_index=i, prompt_token_ids=[5] * len(prompt), token_ids=ids,
                                   logprobs=[-0.25] * len(ids), text=text, finish_reason="stop",
@@ -285,3 +288,70 @@ def test_resume_continues_the_same_prompt_stream(tmp_path):
         return {k: v for k, v in r.items() if not k.startswith("time/") and k != "rollout/tokens_per_s"}
 
     assert [timeless(b[s]) for s in (3, 4)] == [timeless(a[s]) for s in (3, 4)]
+
+
+# ------------------------------------------------------------------ no optimizer step without a signal
+def test_a_step_without_signal_takes_no_optimizer_step_but_the_drafter_trains(tmp_path):
+    """Every answer wrong: no group carries a learning signal, so no step updates the policy (nor
+    pushes it again: it is unchanged), while the drafter still trains on, and is pushed from, the
+    rollouts; the skipped steps are reported."""
+    workers = FakeWorkers(correct=lambda seed, i, j, prompt: False)
+    _run(_cfg(tmp_path), workers)
+    kinds = [e[0] for e in workers.log]
+    assert "train_step" not in kinds
+    assert [e for e in workers.log if e[0] == "logprobs"] == [("logprobs", s) for s in range(1, STEPS + 1)]
+    assert [e[1] for e in workers.log if e[0] == "push"] == ["draft"] * (STEPS // PUSH_EVERY)
+    m = _metrics(tmp_path)
+    assert all(m[s]["train/skipped"] == 1.0 and m[s]["grpo/groups_with_signal"] == 0.0 for s in m)
+    assert not any("train/loss" in r for r in m.values())
+    assert all(m[s]["reward/mean"] == 0.0 and "draft/loss" in m[s] for s in m)
+
+
+def test_min_groups_with_signal_zero_keeps_stepping_on_zero_advantages(tmp_path):
+    workers = FakeWorkers(correct=lambda seed, i, j, prompt: False)
+    _run(_cfg(tmp_path, "grpo.min_groups_with_signal=0"), workers)
+    assert [e[0] for e in workers.log].count("train_step") == STEPS
+    assert all(torch.equal(b.advantages, torch.zeros_like(b.advantages)) for b in workers.trainer_.batches)
+
+
+def _signal_if_even(seed, i, j, prompt):
+    """A prompt whose answer is even is answered right by samples 0 and 1 only (a signal); an odd one
+    never (no signal)."""
+    return eval(prompt.rstrip("=")) % 2 == 0 and j < 2
+
+
+def test_dynamic_sampling_draws_more_prompts_until_the_step_has_groups_with_signal(tmp_path):
+    workers = FakeWorkers(correct=_signal_if_even)
+    _run(_cfg(tmp_path, "grpo.resample_rounds=3", "grpo.num_steps=2", "draft.push_every=1"), workers)
+    gens = [e for e in workers.log if e[0] == "generate"]
+    m = _metrics(tmp_path)
+    seen = 0
+    for step, batch in zip((1, 2), workers.trainer_.batches):
+        rounds = gens[seen:seen + 1 + int(m[step]["grpo/resampled_prompts"]) // P]
+        seen += len(rounds)
+        # each round its own seed; the first round's is the step's usual one
+        assert [g[2] for g in rounds] == [SEED * 1_000_003 + step + r * 2**32 for r in range(len(rounds))]
+        drawn = [p for g in rounds for p in g[1]]
+        with_signal = [p for p in drawn if eval(p.rstrip("=")) % 2 == 0]
+        # stopped at the first round that completed prompts_per_step groups with signal (or the last one)
+        assert len(rounds) == 4 or (len(with_signal) >= P and len([p for g in rounds[:-1] for p in g[1]
+                                                                   if eval(p.rstrip("=")) % 2 == 0]) < P)
+        kept = with_signal[:P] + [p for p in drawn if p not in with_signal][:P - len(with_signal[:P])]
+        # the trainer got the first P groups with signal, in draw order (their group advantages)
+        # (rewards 1, 1, 0, 0: mean 1/2, unbiased std (1/3)^(1/2))
+        expected = torch.tensor([[0.5, 0.5, -0.5, -0.5] if eval(p.rstrip("=")) % 2 == 0 else [0.0] * G
+                                 for p in drawn if p in kept]) / (1 / 3) ** 0.5
+        assert torch.allclose(batch.advantages, expected.flatten(), atol=1e-5)
+        assert m[step]["grpo/groups_with_signal"] == min(P, len(with_signal))
+        # reward/* report the first round, an unbiased sample of the policy
+        first = [eval(p.rstrip("=")) % 2 == 0 for p in rounds[0][1]]
+        assert m[step]["reward/mean"] == pytest.approx(sum(first) * 2 / (P * G))
+    assert sum(m[s]["grpo/resampled_prompts"] for s in m) > 0  # (the case is exercised)
+    # the prompt stream moved past every prompt drawn, and a resume continues it exactly
+    resumed = FakeWorkers(correct=_signal_if_even)
+    _run(_cfg(tmp_path / "b", "grpo.resample_rounds=3", "grpo.num_steps=3", "draft.push_every=1",
+              f"checkpoint.dir={tmp_path / 'checkpoints'}", f"checkpoint.resume={tmp_path / 'checkpoints' / 'step_000002'}"),
+         resumed, resume=str(tmp_path / "checkpoints" / "step_000002"))
+    whole = FakeWorkers(correct=_signal_if_even)
+    _run(_cfg(tmp_path / "c", "grpo.resample_rounds=3", "grpo.num_steps=3", "draft.push_every=1"), whole)
+    assert [e for e in resumed.log if e[0] == "generate"] == [e for e in whole.log if e[0] == "generate"][len(gens):]
