@@ -659,6 +659,42 @@ register_draft_kind(DraftKind("dspark", DSparkConfig, "cotrain.draft.dspark:DSpa
 
 
 # ------------------------------------------------------------------------------------------- draft
+class DraftBudgetConfig(StrictModel):
+    """How many optimizer steps the co-trained drafter takes per GRPO step (cotrain.draft.budget)."""
+
+    mode: Literal["fixed", "adaptive"] = "fixed"
+    """fixed = one drafter step on every GRPO step's rollouts. adaptive = as many as the measured
+    acceptance says (0 while the drafter keeps up, more when it falls behind its running best, one
+    while it is still improving, one every probe_every steps), within max_update_share; the extra
+    steps train on the replay window. The decision reads only measured data (acceptance, token
+    counts), never the clock: a run and its resume decide alike."""
+    max_steps: PosInt = 4
+    """adaptive: the most drafter optimizer steps in one GRPO step (> 1: the extra ones on the
+    replay window; needs draft.branches: teacher_forced)."""
+    max_update_share: Annotated[float, Field(gt=0, le=1)] = 0.15
+    """adaptive: the drafter's share of the update's work over the run, in estimated FLOPs
+    (6 x its parameters x its chain positions per step, against 2 x the policy's parameters x the
+    batch's tokens per forward of the update): a credit that idle steps save and a falling
+    drafter spends, at most max_steps steps' worth."""
+    tolerance: PosFloat = 0.03
+    """adaptive: a relative change of the acceptance gain (acceptance - 1) larger than this counts:
+    behind its running best by more = falling behind (one more step per tolerance behind), above
+    the last trained step's by more = still improving."""
+    probe_every: PosInt = 8
+    """adaptive: an idle drafter still takes one step every this many GRPO steps (its offline
+    acceptance is measured only when it trains; the engines' acceptance needs no probe)."""
+    memory_steps: PosInt = 16
+    """adaptive: the running best is the best acceptance of the last this many steps (a policy
+    that moved on for good makes an old best unreachable)."""
+    replay_steps: PosInt = 4
+    """adaptive with max_steps > 1: the replay window holds the drafter inputs (taps, the policy's
+    detached logits, the rows) of the last this many GRPO steps on which it trained; older ones
+    leave it (the drafter stays on the current policy)."""
+    replay_max_mib: PosFloat = 1024.0
+    """adaptive with max_steps > 1: the replay window's memory bound on each last-stage rank (MiB;
+    the oldest microbatches leave first). The window is part of the checkpoint."""
+
+
 class DraftConfig(StrictModel):
     """The drafter co-trained with the policy. Besides the keys below, ``draft.<kind>`` holds the
     settings of each registered kind (eagle3, dflash, dspark, ...); only the active kind's
@@ -697,6 +733,9 @@ class DraftConfig(StrictModel):
     backward) and the copy's memory on the last stage. Needs draft.cotrain and draft.init."""
     push_every: PosInt = 1
     """Push the co-trained drafter into the engines every this many steps."""
+    budget: DraftBudgetConfig = Field(default_factory=DraftBudgetConfig)
+    """Drafter optimizer steps per GRPO step: one each (fixed) or decided from the measured
+    acceptance within a share of the update (adaptive; cotrain.draft.budget, docs/cotrain.md)."""
     tap_transport: Literal["auto", "shm", "gloo", "nccl", "cuda_ipc"] = "auto"
     """How taps from earlier pipeline stages reach the drafter's stage (TapChannel). auto = per
     source stage by its link: a source on the drafter's node shm (CPU) / cuda_ipc (GPU), one on

@@ -525,6 +525,30 @@ def _check_on_policy(cfg: CotrainConfig) -> list[Issue]:
     return issues
 
 
+def _check_budget(d) -> list[Issue]:
+    """draft.budget: the adaptive keys act only in adaptive mode, the replay only with max_steps > 1
+    and teacher-forced chains (an on-policy branch needs its own step's tree forward)."""
+    b, defaults = d.budget, type(d.budget)()
+    adaptive_keys = ("max_steps", "max_update_share", "tolerance", "probe_every", "memory_steps")
+    replay_keys = ("replay_steps", "replay_max_mib")
+    issues: list[Issue] = []
+    if b.mode == "fixed":
+        for key in adaptive_keys + replay_keys:
+            if getattr(b, key) != getattr(defaults, key):
+                issues.append((f"draft.budget.{key}", "acts only with draft.budget.mode=adaptive (fixed: one "
+                               "drafter step per GRPO step)"))
+        return issues
+    if b.max_steps > 1 and d.branches == "on_policy":
+        issues.append(("draft.budget.max_steps", f"{b.max_steps}: the extra steps replay earlier steps' inputs, "
+                       "and an on-policy branch (draft.branches: on_policy) needs the policy's tree forward on its "
+                       "own step's stem, which is gone (allowed with on_policy: 1)"))
+    if b.max_steps == 1:
+        for key in replay_keys:
+            if getattr(b, key) != getattr(defaults, key):
+                issues.append((f"draft.budget.{key}", "acts only with draft.budget.max_steps > 1 (no replay)"))
+    return issues
+
+
 def check_draft(cfg: CotrainConfig, arch: ModelArch | None) -> list[Issue]:
     """The active drafter kind: its loss, its settings against the target, its weights."""
     issues: list[Issue] = []
@@ -533,6 +557,8 @@ def check_draft(cfg: CotrainConfig, arch: ModelArch | None) -> list[Issue]:
     if kind is None:
         if d.compare_frozen:
             issues.append(("draft.compare_frozen", "needs a co-trained drafter (draft.kind is null)"))
+        if d.budget != type(d.budget)():
+            issues.append(("draft.budget", "needs a co-trained drafter (draft.kind is null)"))
         return issues
     if d.loss is not None and d.loss not in d.record.losses:
         issues.append(("draft.loss", f"{d.loss} is not available for draft.kind={d.kind} (allowed: "
@@ -551,11 +577,12 @@ def check_draft(cfg: CotrainConfig, arch: ModelArch | None) -> list[Issue]:
         issues.append(("draft.cotrain", f"false with draft.kind={d.kind} and no drafter weights: the drafter "
                        "would stay random (allowed: true, or set rollout.speculative.draft_model)"))
     if not d.cotrain:
-        for key in ("init", "push_every", "tap_timeout_s", "compare_frozen"):
-            if getattr(d, key) != type(d).model_fields[key].default:
+        for key in ("init", "push_every", "tap_timeout_s", "compare_frozen", "budget"):
+            if getattr(d, key) != type(d).model_fields[key].get_default(call_default_factory=True):
                 issues.append((f"draft.{key}", "is used only when co-training (draft.cotrain=false: the engines "
                                "serve rollout.speculative.draft_model as it is)"))
         return issues
+    issues += _check_budget(d)
     if spec.draft_model is not None:
         issues.append(("rollout.speculative.draft_model", "must be null with draft.cotrain=true: the engines serve "
                        "the co-trained drafter (set its initial weights with draft.init)"))

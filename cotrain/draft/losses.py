@@ -6,7 +6,8 @@ Every loss averages over valid positions, weighted by the chain's per-position `
 (DFlash/DSpark position decay) when given:  L = sum_{nj valid} w_j l_{nj} / sum_{nj valid} w_j.
 
 - ``soft_ce``:    l = -sum_v p log q                       (cross-entropy to the target distribution)
-- ``forward_kl``: l = sum_v p (log p - log q) = soft_ce - H(p)   (same gradient, zero at q = p)
+- ``forward_kl``: l = sum_v p (log p - log q) = soft_ce - H(p)   (same gradient, zero at q = p;
+                  reported as the ``kl`` metric whatever the loss)
 - ``hard_ce``:    l = -log q[y], y = the target's sampled / data token (``labels``)
 - ``dspark_l1``:  l = soft_ce + l1_weight * ||p - q||_1, plus, with a confidence head,
                   confidence_weight * BCE(sigmoid(c), 1 - 0.5 ||p - q||_1) (label detached)
@@ -327,8 +328,8 @@ def draft_loss(name: str, out: DraftOutput, p, labels: Optional[torch.Tensor] = 
         raise ValueError("hard_ce needs labels (the target's sampled tokens)")
     own = {"soft_ce": {CE}, "forward_kl": {CE, PLOGP}, "hard_ce": {NLL}, "dspark_l1": {CE, L1},
            "e2e_tv": {OV}}[name]
-    s = position_stats(out.logits, target, own | {OV, MATCH}, labels if name == "hard_ce" else None, vocab,
-                       chunk_elements, grads=own & set(_DIFFERENTIABLE))
+    s = position_stats(out.logits, target, own | {CE, PLOGP, OV, MATCH}, labels if name == "hard_ce" else None,
+                       vocab, chunk_elements, grads=own & set(_DIFFERENTIABLE))
     ce_valid = valid & (s[..., INVOCAB] > 0)  # a reduced vocabulary drops positions it cannot say
     counted = ce_valid
     metrics: dict = {}
@@ -348,6 +349,11 @@ def draft_loss(name: str, out: DraftOutput, p, labels: Optional[torch.Tensor] = 
         vf = valid.float()
         metrics["overlap"] = _wmean(s[..., OV], vf)
         metrics["top1_match"] = _wmean(s[..., MATCH], vf)
+        # KL(p || q) = CE + sum p log p on the positions the cross-entropies count (p renormalised
+        # over a reduced draft vocabulary): 0 for a perfect drafter, whatever the policy's entropy
+        kf = ce_valid.float()
+        metrics["kl"] = _wmean(s[..., CE] + s[..., PLOGP], kf)
+        metrics["kl_weight"] = kf.sum()
         if vocab is not None:
             metrics["in_vocab"] = _wmean(ce_valid.float(), vf)
         metrics["weight"] = _weights(counted, w).sum()

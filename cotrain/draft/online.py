@@ -113,6 +113,65 @@ class RolloutRows:
         return self.inputs.shape[0]
 
 
+@dataclass
+class ReplayEntry:
+    """One microbatch's drafter inputs, kept for replay: the rows, this rank's taps and the policy's
+    detached logits exactly as :meth:`OnlineDraftTrainer.microbatch` got them, and the GRPO step."""
+
+    step: int
+    rows: RolloutRows
+    taps: torch.Tensor
+    logits: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.taps.numel() * self.taps.element_size() + self.logits.numel() * self.logits.element_size()
+
+
+class ReplayWindow:
+    """The drafter inputs of the last ``max_age`` GRPO steps it trained on (``draft.budget``), at most
+    ``max_bytes`` of taps and logits (the oldest microbatches leave first), for the extra optimizer
+    steps of a step (:meth:`OnlineDraftTrainer.replay`). Every rank of a CP group holds the same
+    rows (its shards) in the same order, so their replays stay in step."""
+
+    def __init__(self, max_age: int, max_bytes: float):
+        self.max_age, self.max_bytes = int(max_age), float(max_bytes)
+        self.entries: list[ReplayEntry] = []
+
+    def add(self, step: int, rows: RolloutRows, taps: torch.Tensor, logits: torch.Tensor) -> None:
+        self.entries.append(ReplayEntry(int(step), rows, taps.detach().clone(), logits.detach().clone()))
+        self.trim(step)
+
+    def trim(self, step: int) -> None:
+        """Drop entries older than ``max_age`` steps before ``step``, then the oldest over the bound."""
+        self.entries = [e for e in self.entries if e.step > step - self.max_age]
+        while len(self.entries) > 1 and sum(e.nbytes for e in self.entries) > self.max_bytes:
+            self.entries.pop(0)
+
+    def select(self, j: int, per_step: int) -> list[ReplayEntry]:
+        """The microbatches of extra step ``j`` (0, 1, ...): ``per_step`` of them, the newest first,
+        continuing where step j - 1 stopped (wrapping round)."""
+        newest = self.entries[::-1]
+        return [newest[(j * per_step + i) % len(newest)] for i in range(min(per_step, len(newest)))]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def state_dict(self) -> dict:
+        return {"entries": [{"step": e.step, "taps": e.taps, "logits": e.logits, "inputs": e.rows.inputs,
+                             "mask": e.rows.mask, "lengths": e.rows.lengths, "seq_ids": e.rows.seq_ids,
+                             **({"widths": e.rows.widths} if e.rows.widths is not None else {})}
+                            for e in self.entries]}
+
+    def load_state_dict(self, state: dict, device=None) -> None:
+        self.entries = [ReplayEntry(int(e["step"]), RolloutRows(e["inputs"], e["mask"], e["lengths"], e["seq_ids"],
+                                                                widths=e.get("widths")),
+                                    e["taps"].to(device) if device is not None else e["taps"],
+                                    e["logits"].to(device) if device is not None else e["logits"])
+                        for e in state["entries"]]
+
+
 def to_draft_batch(rows: RolloutRows, taps: torch.Tensor, logits: torch.Tensor, cp_size: int = 1
                    ) -> tuple[DraftBatch, torch.Tensor]:
     """(DraftBatch, target logits in the batch's local row order).
@@ -234,6 +293,20 @@ class OnlineDraftTrainer:
         self.vocab_every = int(getattr(drafter.cfg, "vocab_rebuild_every", 0) or 0)
         self.vocab_counts = torch.zeros(vocab.vocab_size, dtype=torch.float64) if vocab is not None else None
         self.vocab_steps = 0
+        # draft.budget (adaptive, max_steps > 1): recent steps' inputs for the extra optimizer steps
+        b = getattr(draft_cfg, "budget", None)
+        self.window: Optional[ReplayWindow] = None
+        if b is not None and b.mode == "adaptive" and b.max_steps > 1:
+            self.window = ReplayWindow(b.replay_steps, b.replay_max_mib * 2**20)
+        self._replay: Optional[int] = None  # the extra step being taken (None: the step's own)
+        self._microbatches_seen = 0
+        # FLOPs of a drafter step per chain position: 6 x the parameters it multiplies (its own and a
+        # borrowed LM head; an embedding lookup is no matmul)
+        params = sum(p.numel() for n, p in drafter.named_parameters() if p.requires_grad and "embed" not in n)
+        head = getattr(drafter, "target_lm_head", None)
+        if head is not None and not head.requires_grad:
+            params += head.numel()
+        self.flops_per_position = 6.0 * params
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -250,19 +323,22 @@ class OnlineDraftTrainer:
     def begin_step(self, step: int, embed: Optional[torch.Tensor] = None,
                    lm_head: Optional[torch.Tensor] = None) -> None:
         self._step = int(step)
+        if self._replay is None:
+            self._microbatches_seen = 0
         self.set_shared(embed, lm_head)
         self.drafter.train()
         self.optimizer.zero_grad(set_to_none=True)
         self._stats = dict.fromkeys(("loss_sum", "weight", "overlap_sum", "top1_sum", "positions", "accept_sum",
                                      "chains", "microbatches", "branch_tokens", "accept_sum_frozen",
-                                     "chains_frozen"), 0.0)
+                                     "chains_frozen", "kl_sum", "kl_weight", "chain_positions"), 0.0)
         self._timers = {"tree_s": 0.0, "eval_s": 0.0, "frozen_s": 0.0}  # this rank's seconds (not reduced)
         if self.vocab_counts is not None:
             self._step_counts = torch.zeros_like(self.vocab_counts)
         self._seconds = 0.0
 
     def _layout_for(self, batch: DraftBatch, seq_ids: torch.Tensor, step: int):
-        """The drafter's layout of ``batch`` at GRPO step ``step`` (anchors drawn per row)."""
+        """The drafter's layout of ``batch`` at GRPO step ``step`` (anchors drawn per row; a replayed
+        microbatch gets fresh anchors: ``step`` is then salted by the replay)."""
         if isinstance(self.drafter, BlockDrafter) and self.drafter.cfg.anchor_sampling == "balanced":
             # one draw for the microbatch, stratified by CP rank (identical on every rank of the group)
             g = torch.Generator().manual_seed(anchor_seed(self.seed, step, int(seq_ids[0])))
@@ -284,8 +360,12 @@ class OnlineDraftTrainer:
         if self._step is None:
             raise RuntimeError("call begin_step before microbatch")
         t0, f0 = time.perf_counter(), self._timers["frozen_s"]
+        if self._replay is None:
+            self._microbatches_seen += 1
+            if self.window is not None:
+                self.window.add(self._step, rows, taps, logits)
         batch, local_logits = to_draft_batch(rows, taps, logits, self.cp_size)
-        layout = self._layout_for(batch, rows.seq_ids, self._step)
+        layout = self._layout_for(batch, rows.seq_ids, self._anchor_step)
         if self.branches == "on_policy":
             if scorer is None:
                 raise ValueError("draft.branches: on_policy needs the policy's tree scorer for every microbatch")
@@ -311,17 +391,52 @@ class OnlineDraftTrainer:
             (loss * weight).backward()
         with torch.no_grad():  # statistics stay on the device until end_step
             n = out.valid.sum()
-            if vocab is not None:
+            self._stats["chain_positions"] += float(out.valid.numel())
+            if vocab is not None and self._replay is None:
                 # the rollout tokens the drafts predict (every CP rank holds whole rows: each counts them all)
                 self._step_counts += token_counts(batch.input_ids, batch.loss_mask, vocab.vocab_size)
             best = p.source.argmax(-1)[p.rows_index]
             lens, first = self._chain_acceptance(out, vocab, best)
-            if self.frozen is not None:
+            if self.frozen is not None and self._replay is None:
                 self._frozen_acceptance(batch, layout, best)
         self._accumulate(m, weight, n, lens, first)
         self._stats["microbatches"] += 1
         self._seconds += time.perf_counter() - t0 - (self._timers["frozen_s"] - f0)  # co-training's time only
         return m
+
+    @property
+    def _anchor_step(self) -> int:
+        """The step the anchors are seeded with: the GRPO step, salted for a replayed microbatch (its
+        own step, the step replaying it and the extra step's index) so that it gets fresh anchors."""
+        if self._replay is None:
+            return self._step
+        return self._replay_entry_step + (self._step * 64 + self._replay + 1) * 1_000_000_007
+
+    def replay(self, updates: int) -> dict[str, float]:
+        """``updates`` further optimizer steps after this GRPO step's own (``draft.budget``), each on
+        as many microbatches of the replay window as the step had (newest first; fresh anchors), at
+        the step's learning rate (the schedule follows GRPO steps). On every rank of the reduce group
+        alike (each replays its own window; the gradients are reduced per step). Returns
+        ``replay_loss`` (mean over the extra steps) and ``replay_s`` (this rank's seconds)."""
+        if self.window is None or updates <= 0:
+            return {}
+        if self.branches == "on_policy":
+            raise ValueError("draft.budget: replay needs draft.branches: teacher_forced")
+        t0 = time.perf_counter()
+        step, per_step = self._last_step, max(1, self._microbatches_seen)
+        losses = []
+        for j in range(updates):
+            self._replay = j
+            self.begin_step(step)
+            try:
+                for e in self.window.select(j, per_step):
+                    self._replay_entry_step = e.step
+                    self.microbatch(e.rows, e.taps, e.logits)
+                m = self.end_step()
+            finally:
+                self._replay = None
+            losses.append(m["loss"])
+        return {"replay_loss": sum(losses) / len(losses), "replay_s": time.perf_counter() - t0}
 
     def _accumulate(self, m: dict, weight, n, lens: torch.Tensor, first: torch.Tensor) -> None:
         """Add one microbatch's loss (weighted), overlap / top-1 (per supervised position) and accepted
@@ -334,6 +449,9 @@ class OnlineDraftTrainer:
         st["positions"] += n
         st["accept_sum"] += lens.sum()
         st["chains"] += first.sum()
+        if "kl" in m:
+            st["kl_sum"] += m["kl"] * m["kl_weight"]
+            st["kl_weight"] += m["kl_weight"]
 
     def _chain_acceptance(self, out: DraftOutput, vocab: Optional[DraftVocab], best: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -455,14 +573,18 @@ class OnlineDraftTrainer:
                    "overlap": s["overlap_sum"] / s["positions"] if s["positions"] else float("nan"),
                    "top1_match": s["top1_sum"] / s["positions"] if s["positions"] else float("nan"),
                    "acceptance_offline": s["accept_sum"] / s["chains"] if s["chains"] else float("nan"),
-                   "positions": s["positions"], "chains": s["chains"]}
+                   "kl": s["kl_sum"] / s["kl_weight"] if s["kl_weight"] else float("nan"),
+                   "positions": s["positions"], "chains": s["chains"],
+                   "flops": self.flops_per_position * s["chain_positions"]}
         if self.frozen is not None:
             metrics["acceptance_offline_frozen"] = (s["accept_sum_frozen"] / s["chains_frozen"] if s["chains_frozen"]
                                                     else float("nan"))
             metrics["frozen_s"] = self._timers["frozen_s"]  # not in time_s: a measurement, not co-training
         if self.branches == "on_policy":  # branch tokens the policy scored (the group's); seconds: this rank's
             metrics.update(branch_tokens=s["branch_tokens"], tree_s=self._timers["tree_s"], eval_s=self._timers["eval_s"])
-        lr = lr_at(self.steps_done, self.total_steps, self.cfg.optimizer)
+        replaying = self._replay is not None
+        # a replayed step trains at its GRPO step's rate: the schedule follows GRPO steps
+        lr = lr_at(self.steps_done - int(replaying), self.total_steps, self.cfg.optimizer)
         vocab = getattr(self.drafter, "vocab", None)
         placeholder = vocab is not None and vocab.source == "placeholder"
         if vocab is not None:
@@ -483,9 +605,11 @@ class OnlineDraftTrainer:
             metrics["grad_norm"] = 0.0
             metrics["skipped"] = 1.0
         metrics["lr"] = lr
-        self.steps_done += int(s["weight"] > 0)
-        if vocab is not None:
-            metrics.update(self._vocab_step(counts, placeholder))
+        if not replaying:
+            self.steps_done += int(s["weight"] > 0)
+            if vocab is not None:
+                metrics.update(self._vocab_step(counts, placeholder))
+            self._last_step = self._step
         self._seconds += time.perf_counter() - t0
         metrics["time_s"] = self._seconds
         self._step = None
@@ -520,6 +644,8 @@ class OnlineDraftTrainer:
     def state_dict(self) -> dict:
         out = {"drafter": {n: p.detach().clone() for n, p in self.drafter.named_parameters()},
                "optimizer": self.optimizer.state_dict(), "steps_done": self.steps_done}
+        if self.window is not None:
+            out["window"] = self.window.state_dict()
         vocab = getattr(self.drafter, "vocab", None)
         if vocab is not None:
             out["vocab"] = {"target_ids": vocab.target_ids.clone(), "source": vocab.source, "version": vocab.version,
@@ -549,3 +675,6 @@ class OnlineDraftTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         apply_config(self.optimizer.param_groups, self.cfg.optimizer, weight_decay=self.cfg.optimizer.weight_decay)
         self.steps_done = int(state["steps_done"])
+        if self.window is not None:
+            device = next(self.drafter.parameters()).device
+            self.window.load_state_dict(state.get("window", {"entries": []}), device=device)

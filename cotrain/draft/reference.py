@@ -159,6 +159,9 @@ def draft_loss(name: str, out: DraftOutput, p: torch.Tensor, labels: Optional[to
         metrics["top1_match"] = float(_wmean((greedy == p.argmax(-1)).float(), valid.float()))
         if vocab is not None:
             metrics["in_vocab"] = float(_wmean(ce_valid.float(), valid.float()))
+        kl = (torch.special.xlogy(p_ce, p_ce) - p_ce * logq).sum(-1)  # KL(p || q), p over the draft vocabulary
+        metrics["kl"] = float(_wmean(kl, ce_valid.float()))
+        metrics["kl_weight"] = float(ce_valid.float().sum())
     metrics["weight"] = float(_weights(counted, w).sum())
     metrics["loss"] = float(loss.detach())
     return loss, metrics

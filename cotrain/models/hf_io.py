@@ -32,6 +32,26 @@ def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def param_count(path: str | Path, skip: tuple[str, ...] = ("embed_tokens",)) -> int:
+    """Parameters of a checkpoint directory from its safetensors headers alone (no tensor is read),
+    without the tensors whose name contains one of ``skip`` (an embedding lookup is no matmul)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    total = 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                if not any(s in name for s in skip):
+                    n = 1
+                    for d in st.get_slice(name).get_shape():
+                        n *= d
+                    total += n
+    return total
+
+
 def load_hf_checkpoint(path: str | Path) -> tuple[ArchSpec, dict, dict[str, torch.Tensor]]:
     hf_config = read_hf_config(path)
     return ArchSpec.from_hf(hf_config), hf_config, load_hf_state_dict(path)

@@ -18,7 +18,7 @@ One step, called by :class:`~cotrain.rl.trainer.MegatronPolicyWorker`::
     stage.begin(step, num_microbatches)       # shared tensors of the current policy -> the drafter
     per microbatch i:  stage.before_forward(i, num_tokens)      (every stage, before its forward)
                        stage.after_logits(i, rows, logits)      (last stage, after the policy's logits)
-    metrics = stage.end()                     # drafter optimizer step; tap statistics
+    metrics = stage.end()                     # drafter optimizer step(s); tap statistics
 
 Shared tensors: the drafter borrows the policy's token embedding (all families) and LM head
 (DFlash / DSpark); vLLM serves the drafter with the served policy's, so before every drafter step
@@ -185,7 +185,10 @@ class DraftStage:
         return (embed, lm_head) if self.is_last else (None, None)
 
     # ------------------------------------------------------------------ one step
-    def begin(self, step: int, num_microbatches: int) -> None:
+    def begin(self, step: int, num_microbatches: int, updates: int = 1) -> None:
+        """``updates``: the drafter's optimizer steps this GRPO step (draft.budget): its own, then
+        ``updates - 1`` on the replay window, in :meth:`end`."""
+        self._updates = int(updates)
         self._clear_tree()
         embed, lm_head = self.shared_tensors()
         if self.trainer is not None:
@@ -298,7 +301,13 @@ class DraftStage:
         tap = self.channel.end_step()
         if self.trainer is None:
             return None
-        m = {f"draft/{k}": v for k, v in self.trainer.end_step().items()}
+        own = self.trainer.end_step()
+        replayed = self.trainer.replay(getattr(self, "_updates", 1) - 1)
+        if replayed:  # the extra steps are co-training's work too
+            own["time_s"] += replayed.pop("replay_s")
+            own.update(replayed)
+        own["updates"] = float(getattr(self, "_updates", 1))
+        m = {f"draft/{k}": v for k, v in own.items()}
         m.update({"tap/wait_s": tap["reader_wait_s"], "tap/copy_s": tap["reader_copy_s"],
                   "tap/bytes": float(tap["bytes_read"]), "tap/moved_bytes": float(tap["moved_bytes"])})
         m.update(tap_metrics(self.channel))

@@ -205,6 +205,13 @@ class GrpoRun:
                                      f"{resume_dir} ({saved['step']}): nothing to continue (allowed: >= "
                                      f"{saved['step']}, or a fresh run)")
         self.run_id = runfolder.claim(cfg, saved.get("run_id") if saved else None, resume=resume or False)
+        from cotrain.draft.budget import DraftBudget
+        from cotrain.models.hf_io import param_count
+
+        self.budget = DraftBudget(cfg.draft.budget) if self.cotrain else None
+        if self.budget is not None and saved is not None and saved.get("draft_budget"):
+            self.budget.load_state_dict(saved["draft_budget"])
+        self.policy_params = param_count(self.model_path)
         draft_init = resolve_draft_init(cfg) if self.cotrain else None
         self.workers.start()
         self.trainer = self.workers.trainer(self.model_path, draft_init)
@@ -294,10 +301,15 @@ class GrpoRun:
         # fewer groups with a learning signal than grpo.min_groups_with_signal: no optimizer step (the
         # policy, its optimizer state and LR schedule stay exactly as they are); the drafter still trains
         update = groups.with_signal >= g.min_groups_with_signal
+        m.update(rollout_metrics(groups.first.metrics))
+        draft_updates, signal = self.draft_budget(step, batch, m)
         with timed(m, "time/update"), self.engines_asleep():
-            # the log-prob recomputation; the co-trained drafter takes its step on this same forward
-            lp = self.trainer.logprobs(batch, draft_step=step if self.cotrain else None)
+            # the log-prob recomputation; the co-trained drafter takes its step(s) on this same forward
+            lp = self.trainer.logprobs(batch, draft_step=step if draft_updates else None,
+                                       draft_updates=max(draft_updates, 1))
             batch.old_logprobs, batch.ref_logprobs = lp.logprobs, lp.ref_logprobs
+            if self.budget is not None:
+                self.budget.spent(step, draft_updates, signal, lp.draft_metrics)
             m.update(train_inference_kl(batch))
             train_metrics = self.trainer.train_step(batch) if update else None
         if update:
@@ -329,8 +341,24 @@ class GrpoRun:
                 m["kl/ref"] = train_metrics["kl_ref"]
         if lp.draft_metrics is not None:
             m.update(draft_step_metrics(lp.draft_metrics, m["time/update"]))
-        m.update(rollout_metrics(groups.first.metrics))
         return m
+
+    def draft_budget(self, step: int, batch: TrainBatch, m: dict) -> tuple[int, float | None]:
+        """The co-trained drafter's optimizer steps this step (draft.budget; 0 without co-training)
+        and the acceptance the decision read: the engines' on this step's rollouts when they serve
+        the co-trained drafter, else its offline one from the last step it trained on."""
+        if self.budget is None:
+            return 0, None
+        from cotrain.draft.budget import update_flops
+
+        cfg = self.cfg
+        signal = m.get("spec/acceptance_length") if self.serves_cotrained_drafter else self.budget.state.offline
+        flops = update_flops(self.policy_params, int(batch.lengths.sum()), cfg.grpo.epochs,
+                             cfg.policy.reference_model)
+        updates, why = self.budget.decide(step, signal, flops)
+        m.update(why)
+        m["draft/updates"] = float(updates)
+        return updates, signal
 
     @contextmanager
     def engines_asleep(self):
@@ -426,7 +454,8 @@ class GrpoRun:
     def save_checkpoint(self, step: int) -> None:
         self.ckpt.begin(step)
         self.trainer.save_checkpoint(str(self.ckpt.step_dir(step)))
-        self.ckpt.commit(step, {"step": step, "data": self.stream.state(), "run_id": self.run_id},
+        self.ckpt.commit(step, {"step": step, "data": self.stream.state(), "run_id": self.run_id,
+                                **({"draft_budget": self.budget.state_dict()} if self.budget is not None else {})},
                          config_yaml=self.cfg.to_yaml())
 
     def shutdown(self) -> None:

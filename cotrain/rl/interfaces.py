@@ -105,10 +105,11 @@ class TrainingBackend(ABC):
     """The policy's trainer (and the co-trained drafter's)."""
 
     @abstractmethod
-    def logprobs(self, batch: TrainBatch, draft_step: int | None = None) -> PolicyLogprobs:
+    def logprobs(self, batch: TrainBatch, draft_step: int | None = None, draft_updates: int = 1) -> PolicyLogprobs:
         """Log-probabilities of the response tokens under the current policy. With ``draft_step``
         (co-training), the co-trained drafter takes its step ``draft_step`` on this very forward:
-        its taps and the policy's detached logits."""
+        its taps and the policy's detached logits; then ``draft_updates - 1`` more optimizer steps
+        on its replay window (draft.budget)."""
 
     @abstractmethod
     def train_step(self, batch: TrainBatch) -> dict[str, float]:

@@ -355,12 +355,13 @@ class MegatronPolicyWorker:
         return rows
 
     @torch.no_grad()
-    def logprobs(self, batch: TrainBatch, draft_step: int | None = None) -> dict | None:
+    def logprobs(self, batch: TrainBatch, draft_step: int | None = None, draft_updates: int = 1) -> dict | None:
         """Current (and reference) policy log-probs of the rows this rank's DP shard holds (``rows``: their
         indices in ``batch``), on the output ranks.
 
         With ``draft_step`` the co-trained drafter takes a step on this forward (the log-prob
-        recomputation of the policy that generated the rollouts; see docs/cotrain.md)."""
+        recomputation of the policy that generated the rollouts; see docs/cotrain.md), and
+        ``draft_updates - 1`` more on its replay window (draft.budget)."""
         micro = self._micro_batches(batch)
         collect = lambda mb, lp: (lp.sum() * 0, {"lp": lp.detach().float() * mb.mask})  # noqa: E731
         self.model.eval()
@@ -370,7 +371,7 @@ class MegatronPolicyWorker:
         rows = None
         if drafting:
             rows = self._draft_rows(batch, micro)
-            self.draft.begin(draft_step, len(micro))
+            self.draft.begin(draft_step, len(micro), updates=draft_updates)
         try:
             res = self._run(self.model, micro, collect, forward_only=True, draft_rows=rows)
             if drafting:

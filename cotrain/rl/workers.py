@@ -124,10 +124,10 @@ class TrainerGroup(TrainingBackend):
         refs = [ray.put(a) if isinstance(a, TrainBatch) else a for a in args]
         return self._wait([actor.call.remote(method, *refs) for actor in self.actors], method)
 
-    def logprobs(self, batch: TrainBatch, draft_step: int | None = None) -> PolicyLogprobs:
+    def logprobs(self, batch: TrainBatch, draft_step: int | None = None, draft_updates: int = 1) -> PolicyLogprobs:
         """Policy (and reference) log-probs for the whole batch, [N, S] each, in batch order; with
         ``draft_step`` the co-trained drafter's step on the same forward (its metrics)."""
-        parts = sorted((r for r in self._all("logprobs", batch, draft_step) if r is not None), key=lambda r: r["dp_rank"])
+        parts = sorted((r for r in self._all("logprobs", batch, draft_step, draft_updates) if r is not None), key=lambda r: r["dp_rank"])
         lp = torch.zeros(len(batch), batch.seq_len)
         ref = torch.zeros(len(batch), batch.seq_len) if "ref_logprobs" in parts[0] else None
         for p in parts:  # each DP rank's rows (contiguous when padded, the packing plan's otherwise)

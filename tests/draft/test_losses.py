@@ -378,3 +378,24 @@ def test_loss_backward_runs_once():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         loss.backward()
+
+
+@pytest.mark.parametrize("name", ["soft_ce", "e2e_tv", "hard_ce"])
+def test_kl_metric_is_zero_for_a_perfect_drafter_and_ignores_the_policys_entropy(name):
+    """``kl`` = KL(p || q) on the supervised positions, whatever the loss: 0 when q = p, and unchanged
+    when the policy's entropy rises with the drafter matching it (soft cross-entropy rises with it)."""
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(4, 3, 9, generator=g)
+    labels = torch.randint(0, 9, (4, 3), generator=g)
+    for temperature in (1.0, 3.0):  # a flatter policy: higher entropy
+        p = torch.softmax(z / temperature, -1)
+        out = chains(z / temperature)
+        _, m = draft_loss(name, out, p, labels=labels)
+        assert float(m["kl"]) == pytest.approx(0.0, abs=1e-5)
+        ce = float(draft_loss("soft_ce", chains(z / temperature), p)[1]["loss"])
+        assert ce == pytest.approx(float(-(p * p.log()).sum(-1).mean()), abs=1e-5)  # = H(p) here
+    q_logits = torch.randn(4, 3, 9, generator=g)
+    p = torch.softmax(z, -1)
+    q = torch.softmax(q_logits, -1)
+    by_hand = (p * (p.log() - q.log())).sum(-1).mean()
+    assert float(draft_loss(name, chains(q_logits), p, labels=labels)[1]["kl"]) == pytest.approx(float(by_hand), abs=1e-5)

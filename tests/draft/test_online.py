@@ -128,3 +128,84 @@ def test_compare_frozen_scores_the_initial_drafter_on_the_same_chains(tiny_model
     assert all(torch.equal(frozen[k], kept[k]) for k in kept)
     assert not all(torch.equal(frozen[k], p) for k, p in trained.drafter.named_parameters())
     assert seen[-1]["acceptance_offline"] > seen[-1]["acceptance_offline_frozen"] + 0.5
+
+
+# ------------------------------------------------------------------ draft.budget: the replay window
+def _budget_trainer(tiny_model_path, mode="adaptive", max_steps=3, replay_steps=2, replay_max_mib=1024.0, lr=0.02):
+    budget = {"mode": mode}
+    if mode == "adaptive":
+        budget.update(max_steps=max_steps, replay_steps=replay_steps, replay_max_mib=replay_max_mib)
+    cfg = DraftConfig.model_validate({"kind": "dflash", "loss": "soft_ce", "optimizer": {"lr": lr}, "budget": budget,
+                                      "dflash": {"block_size": 4, "anchors_per_seq": 3}})
+    target = TargetSpec.from_checkpoint(tiny_model_path)
+    t = OnlineDraftTrainer(build_drafter("dflash", cfg.settings, target, seed=0), cfg, total_steps=10, seed=7)
+    t.width, t.vocab = t.drafter.num_taps * target.arch.hidden_size, target.arch.vocab_size
+    return t
+
+
+def _step_inputs(trainer, step, n=4, S=32):
+    rows = _long_rows(n=n, S=S, seed=step)
+    g = torch.Generator().manual_seed(100 + step)
+    width, V = trainer.width, trainer.vocab
+    taps = torch.randn(n * S, width, generator=g)
+    logits = torch.randn(n * S, V, generator=g)
+    logits[:, 9] += 6.0
+    return rows, taps, logits
+
+
+def _grpo_step(trainer, step, extra):
+    rows, taps, logits = _step_inputs(trainer, step)
+    trainer.begin_step(step)
+    half = rows.inputs.shape[0] // 2  # two microbatches
+    S = rows.inputs.shape[1]
+    for sl in (slice(0, half), slice(half, None)):
+        sub = RolloutRows(rows.inputs[sl], rows.mask[sl], rows.lengths[sl], rows.seq_ids[sl])
+        trainer.microbatch(sub, taps[sl.start * S: (sl.stop or rows.inputs.shape[0]) * S],
+                           logits[sl.start * S: (sl.stop or rows.inputs.shape[0]) * S])
+    m = trainer.end_step()
+    m.update(trainer.replay(extra))
+    return m
+
+
+def test_the_replay_window_keeps_recent_steps_within_its_bound(tiny_model_path):
+    t = _budget_trainer(tiny_model_path, replay_steps=2)
+    for step in (1, 2, 3):
+        _grpo_step(t, step, extra=0)
+    assert [e.step for e in t.window.entries] == [2, 2, 3, 3]  # two microbatches per step, the last 2 steps
+    # the inputs are copies: what microbatch got, not a view a caller may overwrite
+    rows, taps, logits = _step_inputs(t, 3)
+    assert torch.equal(t.window.entries[-1].logits, logits[2 * 32:])
+    # a bound of one microbatch's bytes keeps only the newest
+    one = t.window.entries[-1].nbytes
+    small = _budget_trainer(tiny_model_path, replay_steps=4, replay_max_mib=1.5 * one / 2**20)
+    for step in (1, 2):
+        _grpo_step(small, step, extra=0)
+    assert [e.step for e in small.window.entries] == [2]
+    # the extra steps take the newest microbatches first, as many as the step had, then older ones
+    assert [id(e) for e in t.window.select(0, 2)] == [id(t.window.entries[3]), id(t.window.entries[2])]
+    assert [id(e) for e in t.window.select(1, 2)] == [id(t.window.entries[1]), id(t.window.entries[0])]
+
+
+def test_replayed_steps_train_further_at_the_steps_rate_and_resume_exactly(tiny_model_path):
+    """Two extra optimizer steps per GRPO step on the window: the drafter fits the policy's
+    distribution better than with one step (its loss on the next step's fresh inputs, measured before
+    that step's update, is lower), the LR schedule still follows GRPO steps, and a trainer restored
+    from a state_dict (the window included) continues bit for bit."""
+    import copy
+
+    one, three = _budget_trainer(tiny_model_path, mode="fixed"), _budget_trainer(tiny_model_path, max_steps=3)
+    for step in (1, 2, 3):
+        m1 = _grpo_step(one, step, extra=0)
+        m3 = _grpo_step(three, step, extra=2)
+        assert m3["lr"] == m1["lr"] and three.steps_done == one.steps_done == step
+        assert "replay_loss" in m3 and m3["replay_s"] > 0
+    snapshot = copy.deepcopy(three.state_dict())
+    fresh1, fresh3 = _grpo_step(one, 4, extra=0), _grpo_step(three, 4, extra=2)
+    assert fresh3["loss"] < fresh1["loss"] - 0.05, (fresh3["loss"], fresh1["loss"])
+    restored = _budget_trainer(tiny_model_path, max_steps=3)
+    restored.load_state_dict(snapshot)
+    assert [e.step for e in restored.window.entries] == [2, 2, 3, 3]
+    again = _grpo_step(restored, 4, extra=2)
+    assert again["loss"] == fresh3["loss"] and again["replay_loss"] == fresh3["replay_loss"]
+    for (n, p), (_, q) in zip(three.drafter.named_parameters(), restored.drafter.named_parameters()):
+        assert torch.equal(p, q), n

@@ -30,7 +30,7 @@ STEPS = 8
 OVERRIDES = [f"grpo.num_steps={STEPS}", "grpo.prompts_per_step=16", "grpo.group_size=8", "policy.micro_batch_size=32",
              "policy.optimizer.lr=5e-3", "policy.reference_model=true", "draft.optimizer.lr=3e-3",
              "data.eval.every=0", "logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.every=1000",
-             "draft.compare_frozen=true"]
+             "draft.compare_frozen=true", "grpo.min_groups_with_signal=0"]  # (forced drift: even once the reward collapses)
 K = 3  # rollout.speculative.num_speculative_tokens of the demo
 
 

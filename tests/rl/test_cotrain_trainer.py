@@ -26,7 +26,8 @@ BASE = ["policy.micro_batch_size=4", "grpo.prompts_per_step=4", "policy.referenc
         "rollout.speculative.method=null"]
 DRAFT = {"dflash": ["draft.kind=dflash", "draft.dflash.block_size=4", "draft.dflash.anchors_per_seq=2"],
          "eagle3": ["draft.kind=eagle3", "draft.eagle3.ttt_steps=3"]}
-DRAFT_OPT = ["draft.cotrain=true", "draft.optimizer.lr=0.5", "draft.optimizer.eps=1.0", "draft.optimizer.clip_grad=0.0"]
+DRAFT_OPT = ["draft.cotrain=true", "draft.optimizer.lr=0.5", "draft.optimizer.eps=1.0", "draft.optimizer.clip_grad=0.0",
+             "draft.budget.mode=adaptive", "draft.budget.max_steps=3"]  # (steps with draft_updates=3: two replayed)
 LAYOUTS = {"pp1": [], "pp2": ["policy.parallel.pipeline=2"], "cp2": ["policy.parallel.context=2"],
            "dp2": ["policy.parallel.data=2"], "tp2": ["policy.parallel.tensor=2"]}
 # (drafter or None, layout)
@@ -59,8 +60,11 @@ def runs(tiny_model_path):
                          weights=group.named_weights("policy"))
                 if kind:
                     r["draft_weights"] = group.named_weights("draft")
-                    if layout == "pp1":  # the next drafter step starts from the updated policy's tensors
-                        group.logprobs(batch, draft_step=2)
+                    if layout in ("pp1", "dp2") and kind == "dflash":
+                        # the next drafter step starts from the updated policy's tensors, and takes two
+                        # more optimizer steps on its replay window (steps 1 and 2's microbatches)
+                        r["replayed"] = group.logprobs(batch, draft_step=2, draft_updates=3).draft_metrics
+                        r["replayed_weights"] = group.named_weights("draft")
                         r["shared_after"] = group._all("draft_shared_tensors")[0]
                         r["weights_after"] = group.named_weights("policy")
                 out[(kind, layout)] = r
@@ -140,6 +144,19 @@ def test_drafter_step_equals_the_offline_distillation_step(runs, kind, tiny_mode
     assert m["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
     for name, w in again.vllm_state_dict().items():
         torch.testing.assert_close(after[name], w, atol=1e-6, rtol=0, msg=name)
+
+
+def test_replayed_drafter_steps_are_the_same_in_every_layout(runs):
+    """draft.budget's extra steps on the replay window: each rank replays its own microbatches and the
+    gradients are reduced per step, so DP=2 takes the steps PP=1 takes (the same weights)."""
+    base, other = runs[("dflash", "pp1")], runs[("dflash", "dp2")]
+    assert base["replayed"]["draft/updates"] == other["replayed"]["draft/updates"] == 3.0
+    assert other["replayed"]["draft/replay_loss"] == pytest.approx(base["replayed"]["draft/replay_loss"], rel=1e-5)
+    moved = 0.0
+    for name, w in base["replayed_weights"].items():
+        torch.testing.assert_close(other["replayed_weights"][name], w, atol=1e-5, rtol=0, msg=name)
+        moved = max(moved, (w - base["draft_weights"][name]).abs().max().item())
+    assert moved > 1e-3
 
 
 def test_tap_bytes_are_what_the_planner_predicts(runs):

@@ -37,8 +37,9 @@ def _correct(seed: int, i: int, j: int) -> bool:
 
 class FakeRollout(GenerationBackend):
     def __init__(self, log: list, reject_draft: set[int] = frozenset(), fail_policy: set[int] = frozenset(),
-                 correct=None):
+                 correct=None, acceptance=None):
         self.log, self.reject_draft, self.fail_policy = log, reject_draft, fail_policy
+        self.acceptance = acceptance  # the engines' measured acceptance length by sampling seed (None: none)
         # whether sample j of a prompt is answered correctly: (seed, i, j, prompt) -> bool
         self.correct = correct or (lambda seed, i, j, prompt: _correct(seed, i, j))
         self.version = 0
@@ -56,7 +57,10 @@ class FakeRollout(GenerationBackend):
                                   logprobs=[-0.25] * len(ids), text=text, finish_reason="stop",
                                   weight_version=self.version))
             samples.append(row)
-        return GenerationResult(samples, {"tokens_per_s": 1.0})
+        metrics = {"tokens_per_s": 1.0}
+        if self.acceptance is not None:
+            metrics.update(mean_acceptance_length=self.acceptance(sampling.seed), draft_acceptance_rate=0.5)
+        return GenerationResult(samples, metrics)
 
     def push(self, kind, handle, version):
         self.log.append(("push", kind, handle["id"], version))
@@ -81,11 +85,13 @@ class FakeTrainer(TrainingBackend):
         self.updates = 0
         self.exports = 0
         self.batches = []
+        self.draft_updates = []
 
-    def logprobs(self, batch, draft_step=None):
+    def logprobs(self, batch, draft_step=None, draft_updates=1):
         self.log.append(("logprobs", draft_step))
+        self.draft_updates.append(draft_updates if draft_step else 0)
         lp = batch.rollout_logprobs - 0.01 * batch.mask  # what the trainer recomputed
-        return PolicyLogprobs(lp, None, {"draft/loss": 2.0, "draft/time_s": 0.0} if draft_step else None)
+        return PolicyLogprobs(lp, None, {"draft/loss": 2.0, "draft/time_s": 0.0, "draft/flops": 1.0} if draft_step else None)
 
     def train_step(self, batch):
         self.log.append(("train_step",))
@@ -355,3 +361,32 @@ def test_dynamic_sampling_draws_more_prompts_until_the_step_has_groups_with_sign
     whole = FakeWorkers(correct=_signal_if_even)
     _run(_cfg(tmp_path / "c", "grpo.resample_rounds=3", "grpo.num_steps=3", "draft.push_every=1"), whole)
     assert [e for e in resumed.log if e[0] == "generate"] == [e for e in whole.log if e[0] == "generate"][len(gens):]
+
+
+# ------------------------------------------------------------------ draft.budget in the loop
+def _acceptance(seed):
+    """The engines' acceptance: 2.5 for steps 1-4, then the policy moves and it drops to 2.0."""
+    return 2.5 if (seed - SEED * 1_000_003) <= 4 else 2.0
+
+
+ADAPTIVE = ["draft.budget.mode=adaptive", "draft.budget.max_steps=3", "draft.budget.max_update_share=1.0",
+            "draft.budget.probe_every=100", "grpo.num_steps=6", "draft.push_every=1"]
+
+
+def test_the_adaptive_budget_idles_while_the_drafter_keeps_up_and_works_when_it_falls_behind(tmp_path):
+    workers = FakeWorkers(acceptance=_acceptance)
+    _run(_cfg(tmp_path / "a", *ADAPTIVE), workers)
+    # step 1 (nothing known yet): 1; steps 2-4 at its best: idle (no drafter work at all);
+    # steps 5-6: (2.5 - 2.0) / 1.5 = 33% behind its best: the most steps allowed
+    assert workers.trainer_.draft_updates == [1, 0, 0, 0, 3, 3]
+    assert [e for e in workers.log if e[0] == "logprobs"] == [("logprobs", s if s in (1, 5, 6) else None)
+                                                            for s in range(1, 7)]
+    m = _metrics(tmp_path / "a")
+    assert [m[s]["draft/updates"] for s in m] == [1.0, 0.0, 0.0, 0.0, 3.0, 3.0]
+    assert "draft/loss" not in m[2] and "draft/loss" in m[5]
+    # a resume from step 2 continues the decisions exactly (the budget's state is in the checkpoint)
+    resumed = FakeWorkers(acceptance=_acceptance)
+    step2 = tmp_path / "a" / "checkpoints" / "step_000002"
+    _run(_cfg(tmp_path / "b", *ADAPTIVE, f"checkpoint.dir={tmp_path / 'a' / 'checkpoints'}",
+              f"checkpoint.resume={step2}"), resumed, resume=str(step2))
+    assert resumed.trainer_.draft_updates == [0, 0, 3, 3]
