@@ -450,6 +450,21 @@ def export_run(path: str | Path, out_dir: str | Path, step: Optional[int] = None
     return export_checkpoint(find_step_dir(path, step), out_dir, model_path)
 
 
+def export_final(checkpoint_dir: str | Path, output_dir: str | Path) -> Optional[dict[str, Any]]:
+    """The driver's end-of-run export (``checkpoint.export_final``): the latest complete checkpoint
+    of ``checkpoint_dir`` into ``<output_dir>/export``, printed. A checkpoint that cannot be exported
+    does not fail the finished run: the reason and the command to retry are printed, None returned."""
+    out = Path(output_dir) / "export"
+    try:
+        summary = export_run(checkpoint_dir, out)
+    except (ExportError, CheckpointError) as e:
+        print(f"no export of the run (checkpoint.export_final): {e}\n  retry: python -m cotrain.export "
+              f"{checkpoint_dir} {out}")
+        return None
+    print(describe(summary))
+    return summary
+
+
 def describe(summary: dict[str, Any]) -> str:
     lay = summary["layout"]
     merged = ", ".join(map(str, summary["merged_ranks"]))

@@ -256,3 +256,15 @@ def test_a_previous_export_is_replaced_any_other_folder_is_not(runs, tmp_path, c
     assert "exported step 1 of" in printed and "layout TP=2 PP=1 CP=1 DP=1 (2 rank files" in printed
     assert "merged ranks 0, 1" in printed and "drafter: none" in printed
     assert json.loads((out / "cotrain_export.json").read_text())["step"] == 1 and _leftovers(tmp_path) == []
+
+
+def test_the_drivers_final_export_takes_the_latest_step_and_never_fails_the_run(runs, tmp_path, capsys):
+    from cotrain.export import export_final
+
+    summary = export_final(runs["pp2"]["ckpt"], tmp_path / "run")
+    assert summary["step"] == 1 and (tmp_path / "run" / "export" / "policy" / "model.safetensors").exists()
+    assert (tmp_path / "run" / "export" / "drafter" / "model.safetensors").exists()
+    assert export_final(tmp_path / "empty", tmp_path / "run2") is None  # no checkpoint: said, not raised
+    printed = capsys.readouterr().out
+    assert "exported step 1" in printed and "no export of the run" in printed and "retry: python -m cotrain.export" in printed
+    assert not (tmp_path / "run2" / "export").exists()
