@@ -683,6 +683,9 @@ class DraftBudgetConfig(StrictModel):
     probe_every: PosInt = 8
     """adaptive: an idle drafter still takes one step every this many GRPO steps (its offline
     acceptance is measured only when it trains; the engines' acceptance needs no probe)."""
+    smoothing: Annotated[float, Field(gt=0, le=1)] = 0.5
+    """adaptive: the weight of the newest acceptance in its running average (1 = no smoothing): one
+    step's measurement varies by several percent of the gain."""
     memory_steps: PosInt = 16
     """adaptive: the running best is the best acceptance of the last this many steps (a policy
     that moved on for good makes an old best unreachable)."""
@@ -1050,6 +1053,10 @@ class CheckpointConfig(StrictModel):
     resume: bool | str = False
     """true = continue from the newest checkpoint in dir (start fresh if there is none); a path
     = continue from that checkpoint; false = start fresh. `launch/grpo.py --resume` sets true."""
+    export_final: bool = True
+    """At the end of the run, export its last checkpoint into <output_dir>/export: policy/ (a
+    Hugging Face checkpoint) and, when co-trained, drafter/ (vLLM's drafter format), what
+    `python -m cotrain.export` writes. false = no export."""
 
 
 # -------------------------------------------------------------------------------------------- root

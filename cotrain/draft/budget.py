@@ -4,11 +4,13 @@ Co-training pays only when the rollout distribution moves: on a stationary run a
 GRPO step buys nothing. The budget spends drafter steps where the measured acceptance says they
 pay, from data alone (never the clock), so a run and its resume decide alike.
 
-Signal. a_k, the acceptance length of the drafter on step k's rollouts: vLLM's measured one
+Signal. m_k, the acceptance length of the drafter on step k's rollouts: vLLM's measured one
 (``spec/acceptance_length``, free, known before the update) when the engines serve the co-trained
 drafter, else the drafter's own offline acceptance on the chains of the last step it trained on
-(``draft/acceptance_offline``, scored before that step's update). The gain is g = a - 1 (tokens
-per verification beyond the one a target step always gives).
+(``draft/acceptance_offline``, scored before that step's update), smoothed:
+a_k = s m_k + (1 - s) a_{k-1} (s = ``smoothing``; one step's acceptance over a few hundred
+verification rounds varies by several percent of its gain). The gain is a - 1 (tokens per
+verification beyond the one a target step always gives).
 
     best_k  = max(a_j : the last ``memory_steps`` steps with a measurement)
     behind  = (best_k - a_k) / (best_k - 1)              the share of the best gain lost
@@ -50,6 +52,7 @@ class BudgetState:
     credit: float = 0.0                            # FLOPs the drafter may still spend
     draft_flops: float | None = None               # FLOPs of one drafter step, as last measured
     offline: float | None = None                   # its offline acceptance on the last step it trained
+    smoothed: float | None = None                  # the smoothed signal a_k
 
 
 class DraftBudget:
@@ -66,7 +69,10 @@ class DraftBudget:
         if c.mode == "fixed":
             return 1, {}
         if signal is not None and math.isfinite(signal):
-            st.history = [(s, a) for s, a in st.history if s > step - c.memory_steps] + [(step, float(signal))]
+            st.smoothed = (float(signal) if st.smoothed is None
+                           else c.smoothing * float(signal) + (1.0 - c.smoothing) * st.smoothed)
+            signal = st.smoothed
+            st.history = [(s, a) for s, a in st.history if s > step - c.memory_steps] + [(step, signal)]
         else:
             signal = None
         behind = rising = 0.0
@@ -90,7 +96,8 @@ class DraftBudget:
         else:
             n = min(wanted, 1)
         return n, {"draft/budget_wanted": float(wanted), "draft/budget_behind": behind,
-                   "draft/budget_rising": rising}
+                   "draft/budget_rising": rising,
+                   **({"draft/budget_signal": signal} if signal is not None else {})}
 
     def spent(self, step: int, updates: int, signal: float | None, draft_metrics: dict | None) -> None:
         """Record what step ``step`` took: ``updates`` drafter steps (``draft_metrics``: the step's
@@ -105,7 +112,7 @@ class DraftBudget:
         if updates > 0:
             st.credit = max(0.0, st.credit - updates * (st.draft_flops or 0.0))
             st.last_trained = step
-            st.trained_signal = signal if signal is not None and math.isfinite(signal) else st.trained_signal
+            st.trained_signal = st.smoothed if signal is not None and math.isfinite(signal) else st.trained_signal
 
     def state_dict(self) -> dict:
         return asdict(self.state)

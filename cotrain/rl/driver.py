@@ -474,6 +474,10 @@ def main(cfg, resume=False) -> None:
         run.train()
     finally:
         run.shutdown()
+    if cfg.checkpoint.export_final:  # the last checkpoint as a Hugging Face policy and a vLLM drafter
+        from cotrain.export import export_final
+
+        export_final(cfg.checkpoint.dir, cfg.run.output_dir)
     from cotrain.rl.plot import plot_run
 
     png = plot_run(cfg.run.output_dir)

@@ -20,7 +20,7 @@ def _run(budget, signals, update=100.0, draft=10.0):
 
 
 def cfg(**kw):
-    return DraftBudgetConfig(mode="adaptive", **kw)
+    return DraftBudgetConfig(mode="adaptive", **{"smoothing": 1.0, **kw})  # (raw signals unless asked)
 
 
 def test_fixed_mode_takes_one_step_always():
@@ -68,3 +68,13 @@ def test_state_dict_round_trip_decides_alike():
 def test_update_flops():
     assert update_flops(10, 7, epochs=1, reference=True) == 2 * 10 * 7 * 5
     assert update_flops(10, 7, epochs=2, reference=False) == 2 * 10 * 7 * 7
+
+
+def test_smoothing_rides_out_one_noisy_step():
+    """One step's acceptance 10% of the gain below the others: unsmoothed it is 'behind', smoothed by
+    half it is within a 6% tolerance."""
+    seq = [2.5, 2.5, 2.5, 2.35, 2.5]
+    raw = DraftBudget(cfg(tolerance=0.06, probe_every=100, max_update_share=1.0))
+    smooth = DraftBudget(cfg(tolerance=0.06, probe_every=100, max_update_share=1.0, smoothing=0.5))
+    assert _run(raw, seq) == [1, 0, 0, 2, 1]  # (and then "improving" on the rebound)
+    assert _run(smooth, seq) == [1, 0, 0, 0, 0]
