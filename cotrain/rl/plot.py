@@ -3,9 +3,12 @@
 Panels (each drawn only when at least one of its metrics is in metrics.jsonl, so a plain GRPO run
 has no drafter panels): reward (mean, and held-out accuracy); KL to the reference policy (linear);
 train-inference KL on its own log axis (it is ~1e-9, invisible next to kl/ref); acceptance length
-(vLLM's measured ``spec/acceptance_length`` with the co-trained drafter's offline
-``draft/acceptance_offline``); the drafter's loss; and seconds per step split into rollout /
-update / drafter / weight pushes.
+(vLLM's measured ``spec/acceptance_length``, the co-trained drafter's offline
+``draft/acceptance_offline`` and, with ``draft.compare_frozen``, its frozen copy's
+``draft/acceptance_offline_frozen`` on the same chains, dashed); the drafter's loss with its
+``draft/kl`` = KL(policy || drafter) on the supervised positions (both in nats); and seconds per
+step split into rollout / update / drafter / weight pushes. Each line's legend names what it is
+and its metric key (:func:`label`).
 """
 
 from __future__ import annotations
@@ -20,10 +23,32 @@ PANELS = [
     ("reward", ["reward/mean", "eval/accuracy"], "linear"),
     ("KL to reference", ["kl/ref"], "linear"),
     ("train-inference KL", ["kl/train_infer"], "log"),
-    ("acceptance length", ["spec/acceptance_length", "draft/acceptance_offline"], "linear"),
-    ("drafter loss", ["draft/loss"], "linear"),
+    ("acceptance length", ["spec/acceptance_length", "draft/acceptance_offline", "draft/acceptance_offline_frozen"],
+     "linear"),
+    ("drafter loss", ["draft/loss", "draft/kl"], "linear"),
     ("seconds per step", ["time/rollout", "time/update", "time/draft", "time/weight_push", "time/draft_push"], "linear"),
 ]
+
+#: what a metric's line is, in its legend (before the key)
+DESCRIPTIONS = {
+    "spec/acceptance_length": "served, in vLLM",
+    "draft/acceptance_offline": "co-trained, offline",
+    "draft/acceptance_offline_frozen": "frozen copy, offline",
+    "draft/loss": "drafter's loss",
+    "draft/kl": "KL(policy || drafter)",
+}
+
+#: fixed line styles, so that the co-trained and the frozen drafter read alike in every run's PNG
+STYLES = {
+    "spec/acceptance_length": {"color": "tab:blue"},
+    "draft/acceptance_offline": {"color": "tab:green"},
+    "draft/acceptance_offline_frozen": {"color": "tab:red", "ls": "--"},
+}
+
+
+def label(key: str) -> str:
+    """A line's legend label: ``"<description>: <key>"`` for the keys in :data:`DESCRIPTIONS`, else the key."""
+    return f"{DESCRIPTIONS[key]}: {key}" if key in DESCRIPTIONS else key
 
 
 def select_panels(rows: list[dict]) -> list[tuple[str, list[str], str]]:
@@ -83,6 +108,7 @@ def make_figure(rows: list[dict], title: str = ""):
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     for ax, (panel, keys, scale) in zip(axes.flat, panels):
+        shown = {}  # the legend: one line per metric, its trend where drawn (the thick line)
         for k in keys:
             pts = [(r["step"], r[k]) for r in rows if k in r]
             if scale == "log":  # a log axis cannot show 0 (an exact match): leave such points out, say so
@@ -93,18 +119,24 @@ def make_figure(rows: list[dict], title: str = ""):
                 if not pts:
                     continue
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-            line, = ax.plot(xs, ys, marker="o", ms=2, lw=0.8, alpha=0.5 if len(xs) > 10 else 1.0, label=k)
+            style = STYLES.get(k, {})
+            line, = ax.plot(xs, ys, marker="o", ms=2, lw=0.8, alpha=0.5 if len(xs) > 10 else 1.0, label=label(k),
+                            **style)
+            shown[label(k)] = line
             if len(xs) > 10:  # per-step values are noisy (each step draws new prompts): add a trend
-                ax.plot(xs, moving_average(ys, 10), color=line.get_color(), lw=2, label=f"{k} (10-step mean)")
+                shown[label(k)], = ax.plot(xs, moving_average(ys, 10), color=line.get_color(), lw=2,
+                                           ls=style.get("ls", "-"), label=f"{label(k)} (10-step mean)")
         ax.set_title(panel)
         ax.set_xlabel("step")
         if scale == "log" and ax.has_data():
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-        if ax.has_data():
-            ax.legend(fontsize=7)
+        if shown:
+            ax.legend(list(shown.values()), list(shown), fontsize=7, framealpha=0.8)
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.text(0.5, 0.005, "thin lines: per step; thick: the trailing 10-step mean (for curves of more than 10 points)",
+             ha="center", va="bottom", fontsize=8)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     return fig
 
 

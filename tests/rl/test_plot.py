@@ -1,12 +1,13 @@
 """The curves: which panels a run gets, that every line is the run's logged metric (and its trend
-the trailing mean), the train-inference KL on its own log axis, and that the PNG is that figure."""
+the trailing mean) under a legend naming what it is, the co-trained drafter beside its frozen copy,
+the train-inference KL on its own log axis, and that the PNG is that figure."""
 
 import json
 import struct
 
 import pytest
 
-from cotrain.rl.plot import DPI, make_figure, plot_run, run_figure, select_panels
+from cotrain.rl.plot import DPI, label, make_figure, plot_run, run_figure, select_panels
 
 
 def _grpo_rows(n=12):
@@ -15,9 +16,10 @@ def _grpo_rows(n=12):
              "time/weight_push": 0.05} for s in range(1, n + 1)]
 
 
-def _cotrain_rows(n=12):
+def _cotrain_rows(n=12, frozen=False):
     return [{**r, "spec/acceptance_length": 2.0 + r["step"] / 100, "draft/acceptance_offline": 2.1,
-             "draft/loss": 3.0 - r["step"] / 10, "time/draft": 0.1} for r in _grpo_rows(n)]
+             "draft/loss": 3.0 - r["step"] / 10, "draft/kl": 0.5 - r["step"] / 100, "time/draft": 0.1,
+             **({"draft/acceptance_offline_frozen": 2.1 - r["step"] / 50} if frozen else {})} for r in _grpo_rows(n)]
 
 
 def _axes(fig):
@@ -25,7 +27,9 @@ def _axes(fig):
 
 
 def _labels(ax):
-    return {line.get_label() for line in ax.get_lines() if not line.get_label().endswith("(10-step mean)")}
+    """The metric keys of an axis's per-step lines (each legend label ends with its key)."""
+    return {line.get_label().rsplit(": ", 1)[-1] for line in ax.get_lines()
+            if not line.get_label().endswith("(10-step mean)")}
 
 
 def test_plain_grpo_run_has_no_drafter_panels_and_a_log_axis_for_train_inference_kl():
@@ -46,7 +50,7 @@ def test_plain_grpo_run_has_no_drafter_panels_and_a_log_axis_for_train_inference
 def test_cotraining_run_gets_acceptance_drafter_loss_and_draft_time_panels():
     axes = _axes(make_figure(_cotrain_rows()))
     assert _labels(axes["acceptance length"]) == {"spec/acceptance_length", "draft/acceptance_offline"}
-    assert _labels(axes["drafter loss"]) == {"draft/loss"}
+    assert _labels(axes["drafter loss"]) == {"draft/loss", "draft/kl"}
     assert _labels(axes["seconds per step"]) == {"time/rollout", "time/update", "time/draft", "time/weight_push"}
     # offline-only acceptance (a drafter trained but not served, e.g. dspark on CPU): the panel stays
     rows = [{k: v for k, v in r.items() if k != "spec/acceptance_length"} for r in _cotrain_rows()]
@@ -90,15 +94,40 @@ def test_every_line_is_the_logged_metric_and_its_trend_the_trailing_mean():
         for k in keys:
             xs = [r["step"] for r in rows if k in r]
             ys = [r[k] for r in rows if k in r]
-            assert lines[k] == (xs, ys), k  # the logged values at their own steps, none invented, none lost
+            assert lines[label(k)] == (xs, ys), k  # the logged values at their own steps, none invented, none lost
             if len(xs) > 10:
-                tx, ty = lines[f"{k} (10-step mean)"]
+                tx, ty = lines[f"{label(k)} (10-step mean)"]
                 assert tx == xs and ty == pytest.approx(_trailing_mean(ys)), k
             else:  # eval/accuracy: 4 points, no trend (the drafter's loss, 11 points from step 4, has one)
-                assert f"{k} (10-step mean)" not in lines, k
-        # the legend names exactly the lines drawn
-        assert [t.get_text() for t in ax.get_legend().get_texts()] == [ln.get_label() for ln in ax.get_lines()]
+                assert f"{label(k)} (10-step mean)" not in lines, k
+        # the legend names each metric drawn once, in the panel's order (its thick trend line, where drawn)
+        legend = ax.get_legend()
+        assert [t.get_text() for t in legend.get_texts()] == [label(k) for k in keys]
+        trends = [len([r for r in rows if k in r]) > 10 for k in keys]
+        assert [h.get_linewidth() for h in legend.legend_handles] == [2 if t else 0.8 for t in trends]
     assert axes["train-inference KL"].get_yscale() == "log" and axes["KL to reference"].get_yscale() == "linear"
+
+
+def test_compare_frozen_draws_the_frozen_copy_dashed_beside_the_co_trained_drafter_each_named():
+    rows = _cotrain_rows(14, frozen=True)
+    ax = _axes(make_figure(rows))["acceptance length"]
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    co = lines["co-trained, offline: draft/acceptance_offline"]
+    fr = lines["frozen copy, offline: draft/acceptance_offline_frozen"]
+    served = lines["served, in vLLM: spec/acceptance_length"]
+    assert list(fr.get_ydata()) == [r["draft/acceptance_offline_frozen"] for r in rows]
+    assert list(co.get_ydata()) == [r["draft/acceptance_offline"] for r in rows]
+    assert list(served.get_ydata()) == [r["spec/acceptance_length"] for r in rows]
+    trend = lines["frozen copy, offline: draft/acceptance_offline_frozen (10-step mean)"]
+    assert fr.get_linestyle() == trend.get_linestyle() == "--" and co.get_linestyle() == "-"
+    assert len({co.get_color(), fr.get_color(), served.get_color()}) == 3 and trend.get_color() == fr.get_color()
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "served, in vLLM: spec/acceptance_length", "co-trained, offline: draft/acceptance_offline",
+        "frozen copy, offline: draft/acceptance_offline_frozen"]
+    # the drafter's KL to the policy shares the loss panel (both nats), named
+    loss = {ln.get_label(): list(ln.get_ydata()) for ln in _axes(make_figure(rows))["drafter loss"].get_lines()}
+    assert loss["KL(policy || drafter): draft/kl"] == [r["draft/kl"] for r in rows]
+    assert loss["drafter's loss: draft/loss"] == [r["draft/loss"] for r in rows]
 
 
 def test_plot_run_draws_metrics_jsonl_even_after_a_line_cut_mid_write(tmp_path):
