@@ -664,9 +664,10 @@ class DraftBudgetConfig(StrictModel):
 
     mode: Literal["fixed", "adaptive"] = "fixed"
     """fixed = one drafter step on every GRPO step's rollouts. adaptive = as many as the measured
-    acceptance says (0 while the drafter keeps up, more when it falls behind its running best, one
-    while it is still improving, one every probe_every steps), within max_update_share; the extra
-    steps train on the replay window. The decision reads only measured data (acceptance, token
+    acceptance says (0 while the drafter keeps up, more the further its recent acceptance falls
+    below the window's, one while it is still improving, one every probe_every steps; changes
+    within twice the measured noise do not count), within max_update_share; the extra steps train
+    on the replay window. The decision reads only measured data (acceptance, token
     counts), never the clock: a run and its resume decide alike."""
     max_steps: PosInt = 4
     """adaptive: the most drafter optimizer steps in one GRPO step (> 1: the extra ones on the
@@ -676,19 +677,20 @@ class DraftBudgetConfig(StrictModel):
     (6 x its parameters x its chain positions per step, against 2 x the policy's parameters x the
     batch's tokens per forward of the update): a credit that idle steps save and a falling
     drafter spends, at most max_steps steps' worth."""
-    tolerance: PosFloat = 0.03
-    """adaptive: a relative change of the acceptance gain (acceptance - 1) larger than this counts:
-    behind its running best by more = falling behind (one more step per tolerance behind), above
-    the last trained step's by more = still improving."""
+    tolerance: PosFloat = 0.05
+    """adaptive: a change of the acceptance gain (acceptance - 1) by more than this share, beyond
+    the measured noise, counts: below the window's mean by more = falling behind (one more step
+    per tolerance behind), above its level when it last trained by more = still improving."""
     probe_every: PosInt = 8
     """adaptive: an idle drafter still takes one step every this many GRPO steps (its offline
     acceptance is measured only when it trains; the engines' acceptance needs no probe)."""
-    smoothing: Annotated[float, Field(gt=0, le=1)] = 0.5
-    """adaptive: the weight of the newest acceptance in its running average (1 = no smoothing): one
-    step's measurement varies by several percent of the gain."""
+    recent_steps: PosInt = 3
+    """adaptive: the drafter's current level is the mean acceptance of this many latest steps,
+    compared with the mean of the steps before them in the memory_steps window (one step's
+    acceptance varies by several percent of its gain; the thresholds add twice the measured noise)."""
     memory_steps: PosInt = 16
-    """adaptive: the running best is the best acceptance of the last this many steps (a policy
-    that moved on for good makes an old best unreachable)."""
+    """adaptive: the window of measured acceptance the decision reads (its reference is the mean
+    of this window before the recent steps: a policy that moved on for good leaves it)."""
     replay_steps: PosInt = 4
     """adaptive with max_steps > 1: the replay window holds the drafter inputs (taps, the policy's
     detached logits, the rows) of the last this many GRPO steps on which it trained; older ones

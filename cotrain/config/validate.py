@@ -529,7 +529,7 @@ def _check_budget(d) -> list[Issue]:
     """draft.budget: the adaptive keys act only in adaptive mode, the replay only with max_steps > 1
     and teacher-forced chains (an on-policy branch needs its own step's tree forward)."""
     b, defaults = d.budget, type(d.budget)()
-    adaptive_keys = ("max_steps", "max_update_share", "tolerance", "smoothing", "probe_every", "memory_steps")
+    adaptive_keys = ("max_steps", "max_update_share", "tolerance", "recent_steps", "probe_every", "memory_steps")
     replay_keys = ("replay_steps", "replay_max_mib")
     issues: list[Issue] = []
     if b.mode == "fixed":
@@ -538,6 +538,10 @@ def _check_budget(d) -> list[Issue]:
                 issues.append((f"draft.budget.{key}", "acts only with draft.budget.mode=adaptive (fixed: one "
                                "drafter step per GRPO step)"))
         return issues
+    if b.recent_steps >= b.memory_steps:
+        issues.append(("draft.budget.recent_steps", f"{b.recent_steps} leaves no step of the "
+                       f"draft.budget.memory_steps={b.memory_steps} window to compare with (allowed: "
+                       f"1..{b.memory_steps - 1})"))
     if b.max_steps > 1 and d.branches == "on_policy":
         issues.append(("draft.budget.max_steps", f"{b.max_steps}: the extra steps replay earlier steps' inputs, "
                        "and an on-policy branch (draft.branches: on_policy) needs the policy's tree forward on its "

@@ -4,21 +4,24 @@ Co-training pays only when the rollout distribution moves: on a stationary run a
 GRPO step buys nothing. The budget spends drafter steps where the measured acceptance says they
 pay, from data alone (never the clock), so a run and its resume decide alike.
 
-Signal. m_k, the acceptance length of the drafter on step k's rollouts: vLLM's measured one
+Signal. a_k, the acceptance length of the drafter on step k's rollouts: vLLM's measured one
 (``spec/acceptance_length``, free, known before the update) when the engines serve the co-trained
 drafter, else the drafter's own offline acceptance on the chains of the last step it trained on
-(``draft/acceptance_offline``, scored before that step's update), smoothed:
-a_k = s m_k + (1 - s) a_{k-1} (s = ``smoothing``; one step's acceptance over a few hundred
-verification rounds varies by several percent of its gain). The gain is a - 1 (tokens per
-verification beyond the one a target step always gives).
+(``draft/acceptance_offline``, scored before that step's update). The gain is a - 1 (tokens per
+verification beyond the one a target step always gives). One step's acceptance is noisy (a few
+hundred verification rounds: on the demo +-0.13 around 2.35, 10% of the gain), so the decision
+compares means and a noise level measured from the signal itself:
 
-    best_k  = max(a_j : the last ``memory_steps`` steps with a measurement)
-    behind  = (best_k - a_k) / (best_k - 1)              the share of the best gain lost
-    rising  = (a_k - a_t) / (a_t - 1)                    since a_t, the signal when it last trained
-    wanted  = min(max_steps, 1 + floor(behind / tol))    if behind > tol      (falling behind)
-            = 1                                          elif rising > tol, no signal yet, or
-                                                         probe_every steps since it last trained
-            = 0                                          otherwise            (it keeps up: idle)
+    window   the signals of the last ``memory_steps`` steps;  recent = the last ``recent_steps`` of them
+    level    R = mean(recent);  reference B = mean(the window before them)
+    noise    sigma = sqrt(mean((a_j - a_{j-1})^2) / 2) over the window (successive differences: a
+             steady trend barely enters it);  e = 2 sigma sqrt(1/|recent| + 1/|before|)
+    behind   d = (B - R) / (B - 1)                 counts when B - R > tol (B - 1) + e
+    rising   r = (R - R_t) / (R_t - 1), R_t = R when it last trained;  counts when R - R_t > tol (R_t - 1) + e
+    wanted   = min(max_steps, 1 + floor(d / tol))  when behind (falling behind: more the further)
+             = 1  when rising, when too little is measured to judge (fewer than 2 recent_steps signals),
+                  or probe_every steps after it last trained
+             = 0  otherwise (it keeps up: idle)
 
 Cost. A credit in FLOPs caps the drafter's share of the update over the run: every step adds
 ``max_update_share`` x F_update (2 x policy parameters x the batch's tokens per forward of the
@@ -47,12 +50,24 @@ class BudgetState:
     """What the decision remembers (the driver's checkpoint carries it)."""
 
     history: list = field(default_factory=list)  # [(step, signal)] of the last memory_steps measurements
-    trained_signal: float | None = None           # the signal when the drafter last trained
+    trained_level: float | None = None            # the recent level R when the drafter last trained
     last_trained: int = 0                          # the GRPO step it last trained on (0 = never)
     credit: float = 0.0                            # FLOPs the drafter may still spend
     draft_flops: float | None = None               # FLOPs of one drafter step, as last measured
     offline: float | None = None                   # its offline acceptance on the last step it trained
-    smoothed: float | None = None                  # the smoothed signal a_k
+    level: float | None = None                     # R at the last decision
+
+
+#: noise multiplier of the thresholds (about a 2.5% chance per step that noise alone counts as behind)
+Z = 2.0
+
+
+def noise(signals: list[float]) -> float:
+    """sigma of one step's signal from successive differences (0 with fewer than 3 signals)."""
+    if len(signals) < 3:
+        return 0.0
+    d = [(b - a) ** 2 for a, b in zip(signals, signals[1:])]
+    return math.sqrt(sum(d) / len(d) / 2.0)
 
 
 class DraftBudget:
@@ -69,23 +84,29 @@ class DraftBudget:
         if c.mode == "fixed":
             return 1, {}
         if signal is not None and math.isfinite(signal):
-            st.smoothed = (float(signal) if st.smoothed is None
-                           else c.smoothing * float(signal) + (1.0 - c.smoothing) * st.smoothed)
-            signal = st.smoothed
-            st.history = [(s, a) for s, a in st.history if s > step - c.memory_steps] + [(step, signal)]
-        else:
-            signal = None
+            st.history = [(s, a) for s, a in st.history if s > step - c.memory_steps] + [(step, float(signal))]
+        signals = [a for _, a in st.history]
+        recent, before = signals[-c.recent_steps:], signals[:-c.recent_steps]
         behind = rising = 0.0
-        if signal is None:
-            wanted = 1
+        why: dict[str, float] = {}
+        if recent:
+            st.level = R = sum(recent) / len(recent)
+            why["draft/budget_level"] = R
+        if len(before) < c.recent_steps:  # (and so fewer than 2 x recent_steps signals)
+            wanted = 1  # too little measured to judge: train (the credit still caps it)
         else:
-            best = max(a for _, a in st.history)
-            behind = (best - signal) / (best - 1.0) if best > 1.0 else 0.0
-            if st.trained_signal is not None and st.trained_signal > 1.0:
-                rising = (signal - st.trained_signal) / (st.trained_signal - 1.0)
-            if behind > c.tolerance:
+            B = sum(before) / len(before)
+            e = Z * noise(signals) * math.sqrt(1 / len(recent) + 1 / len(before))
+            why.update({"draft/budget_reference": B, "draft/budget_noise": e})
+            falling = B > 1.0 and B - R > c.tolerance * (B - 1.0) + e
+            behind = (B - R) / (B - 1.0) if B > 1.0 else 0.0
+            T = st.trained_level
+            improving = T is not None and T > 1.0 and R - T > c.tolerance * (T - 1.0) + e
+            if T is not None and T > 1.0:
+                rising = (R - T) / (T - 1.0)
+            if falling:
                 wanted = min(c.max_steps, 1 + int(behind / c.tolerance))
-            elif rising > c.tolerance or st.trained_signal is None or step - st.last_trained >= c.probe_every:
+            elif improving or step - st.last_trained >= c.probe_every:
                 wanted = 1
             else:
                 wanted = 0
@@ -96,8 +117,7 @@ class DraftBudget:
         else:
             n = min(wanted, 1)
         return n, {"draft/budget_wanted": float(wanted), "draft/budget_behind": behind,
-                   "draft/budget_rising": rising,
-                   **({"draft/budget_signal": signal} if signal is not None else {})}
+                   "draft/budget_rising": rising, **why}
 
     def spent(self, step: int, updates: int, signal: float | None, draft_metrics: dict | None) -> None:
         """Record what step ``step`` took: ``updates`` drafter steps (``draft_metrics``: the step's
@@ -112,7 +132,8 @@ class DraftBudget:
         if updates > 0:
             st.credit = max(0.0, st.credit - updates * (st.draft_flops or 0.0))
             st.last_trained = step
-            st.trained_signal = st.smoothed if signal is not None and math.isfinite(signal) else st.trained_signal
+            if st.level is not None:
+                st.trained_level = st.level
 
     def state_dict(self) -> dict:
         return asdict(self.state)
