@@ -263,3 +263,18 @@ def test_builds_are_bit_identical_whatever_the_thread_count(tmp_path):
     if shutil.which("taskset") and (os.cpu_count() or 1) > 1:
         pinned = _build_in_subprocess(tmp_path, 2, pin_one_core=True)
         assert [pinned[n]["sha"] for n in ("tiny", "small")] == [one[n]["sha"] for n in ("tiny", "small")]
+
+
+def test_the_drafter_cache_key_ignores_what_only_co_training_reads():
+    """draft.budget, draft.compare_frozen, ... act only in a GRPO run: changing them reuses the cached
+    distillation (a new key would re-distil, ~15 min for builtin:small); a recipe change does not."""
+    from cotrain.config.distill import load_distill_config
+    from cotrain.draft import cache
+
+    cfg = load_distill_config(ROOT / "configs" / "distill_dflash.yaml")
+    key = cache.cache_key(cfg)
+    for update in ({"compare_frozen": True}, {"push_every": 3}, {"budget": {"mode": "adaptive"}}):
+        draft = cfg.draft.model_validate({**cfg.draft.model_dump(), **update})
+        assert cache.cache_key(cfg.model_copy(update={"draft": draft})) == key, update
+    other = cfg.draft.model_validate({**cfg.draft.model_dump(), "optimizer": {"lr": 0.123}})
+    assert cache.cache_key(cfg.model_copy(update={"draft": other})) != key

@@ -2,7 +2,8 @@
 
 ``ensure_distilled(cfg)`` runs :func:`cotrain.draft.distill.distill` into
 ``$COTRAIN_CACHE/drafters/<kind>-<key>/`` unless that directory already holds a finished run;
-the key hashes the distillation config (output_dir and progress_bar excluded), the target (a
+the key hashes the distillation config (output_dir, progress_bar and the draft keys only
+co-training reads excluded: :data:`CO_TRAINING_ONLY`), the target (a
 built-in model's name and build key, or the checkpoint's path) and the source of the drafter code, so editing a
 drafter or its recipe rebuilds it. A lock file makes concurrent callers build once; the directory
 appears atomically when complete.
@@ -26,6 +27,10 @@ _CODE_FILES = ("common.py", "registry.py", "eagle3.py", "dflash.py", "dspark.py"
                "distill.py", "export.py", "optim.py", "vocab.py")
 
 
+#: the draft section's keys that act only in co-training (a GRPO run), never in distillation
+CO_TRAINING_ONLY = ("cotrain", "init", "compare_frozen", "push_every", "budget", "tap_transport", "tap_timeout_s")
+
+
 def _code_hash() -> str:
     h = hashlib.sha256()
     root = Path(__file__).parent
@@ -40,6 +45,8 @@ def cache_key(cfg: DistillConfig) -> str:
     data = cfg.model_dump(mode="json")
     data.pop("output_dir", None)
     data.pop("progress_bar", None)
+    for key in CO_TRAINING_ONLY:  # draft keys distillation never reads: changing them keeps the cache
+        data.get("draft", {}).pop(key, None)
     target = builtin_cache_id(cfg.target) or str(Path(cfg.target).resolve())
     blob = json.dumps([data, target, _code_hash()], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
