@@ -682,8 +682,9 @@ class DraftBudgetConfig(StrictModel):
     the measured noise, counts: below the window's mean by more = falling behind (one more step
     per tolerance behind), above its level when it last trained by more = still improving."""
     probe_every: PosInt = 8
-    """adaptive: an idle drafter still takes one step every this many GRPO steps (its offline
-    acceptance is measured only when it trains; the engines' acceptance needs no probe)."""
+    """adaptive, when the engines do not serve the co-trained drafter: an idle drafter still takes
+    one step every this many GRPO steps (its offline acceptance is measured only when it trains;
+    the engines' acceptance of a served drafter needs no probe)."""
     recent_steps: PosInt = 3
     """adaptive: the drafter's current level is the mean acceptance of this many latest steps,
     compared with the mean of the steps before them in the memory_steps window (one step's

@@ -16,11 +16,12 @@ compares means and a noise level measured from the signal itself:
     level    R = mean(recent);  reference B = mean(the window before them)
     noise    sigma = sqrt(mean((a_j - a_{j-1})^2) / 2) over the window (successive differences: a
              steady trend barely enters it);  e = 2 sigma sqrt(1/|recent| + 1/|before|)
-    behind   d = (B - R) / (B - 1)                 counts when B - R > tol (B - 1) + e
+    behind   d = (B - R) / (B - 1)                 counts when B - R > tol (B - 1) + e, by
+             x = (B - R - e) / (B - 1) - tol        its excess over that threshold (as a gain share)
     rising   r = (R - R_t) / (R_t - 1), R_t = R when it last trained;  counts when R - R_t > tol (R_t - 1) + e
-    wanted   = min(max_steps, 1 + floor(d / tol))  when behind (falling behind: more the further)
+    wanted   = min(max_steps, 1 + floor(x / tol))  when behind (falling behind: more the further)
              = 1  when rising, when too little is measured to judge (fewer than 2 recent_steps signals),
-                  or probe_every steps after it last trained
+                  or (offline signal only) probe_every steps after it last trained
              = 0  otherwise (it keeps up: idle)
 
 Cost. A credit in FLOPs caps the drafter's share of the update over the run: every step adds
@@ -59,8 +60,8 @@ class BudgetState:
     level: float | None = None                     # R at the last decision
 
 
-#: noise multiplier of the thresholds (about a 2.5% chance per step that noise alone counts as behind)
-Z = 2.0
+#: noise multiplier of the thresholds (under a 1% chance per step that noise alone counts as behind)
+Z = 2.5
 
 
 def noise(signals: list[float]) -> float:
@@ -74,8 +75,12 @@ def noise(signals: list[float]) -> float:
 class DraftBudget:
     """The decision of :mod:`cotrain.draft.budget` for ``draft.budget`` (a DraftBudgetConfig)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, served: bool = True):
+        """``served``: the signal is the engines' acceptance of this drafter (measured every step
+        whatever the drafter does: no probes); False = its own offline acceptance, measured only
+        when it trains (an idle drafter probes every probe_every steps)."""
         self.cfg = cfg
+        self.served = served
         self.state = BudgetState()
 
     def decide(self, step: int, signal: float | None, update_flops: float) -> tuple[int, dict[str, float]]:
@@ -106,8 +111,9 @@ class DraftBudget:
             if T is not None and T > 1.0:
                 rising = (R - T) / (T - 1.0)
             if falling:
-                wanted = min(c.max_steps, 1 + int(behind / c.tolerance))
-            elif improving or step - st.last_trained >= c.probe_every:
+                # one step per tolerance of the gain lost beyond the threshold
+                wanted = min(c.max_steps, 1 + int((B - R - e) / (B - 1.0) / c.tolerance - 1.0))
+            elif improving or (not self.served and step - st.last_trained >= c.probe_every):
                 wanted = 1
             else:
                 wanted = 0

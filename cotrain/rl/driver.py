@@ -208,7 +208,7 @@ class GrpoRun:
         from cotrain.draft.budget import DraftBudget
         from cotrain.models.hf_io import param_count
 
-        self.budget = DraftBudget(cfg.draft.budget) if self.cotrain else None
+        self.budget = DraftBudget(cfg.draft.budget, served=self.serves_cotrained_drafter) if self.cotrain else None
         if self.budget is not None and saved is not None and saved.get("draft_budget"):
             self.budget.load_state_dict(saved["draft_budget"])
         self.policy_params = param_count(self.model_path)

@@ -64,7 +64,7 @@ def test_one_step_while_it_improves_and_a_probe_every_few_idle_steps():
     assert _run(b, [2.0] * 6) == [1, 1, 1, 0, 0, 0]  # warm-up (recent_steps = 2), then idle
     # it trained last on step 3 at level 2.0; the level rises to 2.3 (+30% of the gain): improving
     assert _run(b, [2.3, 2.3], start=7) == [0, 1]
-    probe = DraftBudget(cfg(probe_every=5))
+    probe = DraftBudget(cfg(probe_every=5), served=False)  # (a served drafter needs no probes)
     assert _run(probe, [2.0] * 14) == [1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0]
 
 
