@@ -140,12 +140,13 @@ def test_nodes_whose_raylet_is_gone_are_not_picked():
 
 def test_gpu_weight_pushes_across_nodes_use_nccl():
     gpu = ["cluster.num_nodes=2", "cluster.gpus_per_node=8", "cluster.cpus_per_node=96", "cluster.device=cuda",
-           "draft.init=null", "policy.parallel.pipeline=2", "rollout.num_engines=2", "rollout.colocate=true"]
+           "draft.init=null", "draft.compare_frozen=false", "policy.parallel.pipeline=2", "rollout.num_engines=2",
+           "rollout.colocate=true"]
     assert load_config(DEMO, gpu).rollout.weight_transport == "nccl"  # colocated, but engine 1 is on node 1
     _issue([*gpu, "rollout.weight_transport=cuda_ipc"], "rollout.weight_transport",
            "engine(s) [1] run on another node than trainer rank 0")
     one = ["cluster.gpus_per_node=8", "cluster.cpus_per_node=96", "cluster.device=cuda", "draft.init=null",
-           "rollout.colocate=true"]
+           "draft.compare_frozen=false", "rollout.colocate=true"]
     assert load_config(DEMO, one).rollout.weight_transport == "cuda_ipc"  # one node: as before
 
 
@@ -164,7 +165,7 @@ def test_validate_only_refuses_a_group_that_would_straddle():
 
 
 # ------------------------------------------------------------------------- colocated GPU bundles
-CUDA = ["cluster.device=cuda", "draft.init=null", "rollout.colocate=true"]
+CUDA = ["cluster.device=cuda", "draft.init=null", "draft.compare_frozen=false", "rollout.colocate=true"]
 
 
 def _colocated(nodes: int, gpus: int, *extra: str):

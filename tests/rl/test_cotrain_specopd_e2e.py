@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow
 
 STEPS = 6
 OVERRIDES = [f"grpo.num_steps={STEPS}", "grpo.prompts_per_step=8", "grpo.group_size=8", "policy.micro_batch_size=32",
-             "draft.init=null", "draft.branches=on_policy", "draft.loss=e2e_tv", "draft.optimizer.lr=1e-2",
+             "draft.init=null", "draft.compare_frozen=false", "draft.branches=on_policy", "draft.loss=e2e_tv",
+             "draft.optimizer.lr=1e-2",
              "draft.optimizer.warmup_steps=0", "data.eval.every=0", "logging.progress_bar=false",
              "logging.tensorboard=false", "checkpoint.every=1000"]
 

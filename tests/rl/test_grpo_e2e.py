@@ -30,7 +30,7 @@ COMMON = ["grpo.num_steps=3", "grpo.prompts_per_step=4", "grpo.group_size=4", "p
 
 
 # the demo's co-trained DFlash drafter, from scratch (a falling loss shows it learns)
-COTRAIN = ["draft.init=null", "draft.optimizer.lr=3e-3"]
+COTRAIN = ["draft.init=null", "draft.compare_frozen=false", "draft.optimizer.lr=3e-3"]
 DRAFT_KEYS = ("draft/loss", "draft/acceptance_offline", "draft/grad_norm", "spec/acceptance_length", "time/draft",
               "draft/update_overhead", "tap/bytes", "tap/wait_s", "draft/push_ok")
 

@@ -40,7 +40,8 @@ pytestmark = pytest.mark.slow  # end to end (CI runs slow tests too: `make test`
 RUN = ["grpo.num_steps=3", "grpo.prompts_per_step=4", "grpo.group_size=4", "policy.micro_batch_size=8",
        "policy.parallel.pipeline=2", "rollout.num_engines=2", "policy.reference_model=false",
        "checkpoint.every=2", "checkpoint.keep_last=null", "data.eval.every=0", "rollout.sampling.max_tokens=8",
-       "logging.progress_bar=false", "logging.tensorboard=false", "draft.init=null", "draft.optimizer.lr=3e-3"]
+       "logging.progress_bar=false", "logging.tensorboard=false", "draft.init=null", "draft.compare_frozen=false",
+       "draft.optimizer.lr=3e-3"]
 ONE_NODE = ["cluster.num_nodes=1", "cluster.cpus_per_node=4"]
 TWO_NODES = ["cluster.num_nodes=2", "cluster.cpus_per_node=2"]  # a stage + an engine per node
 EQUAL = ("reward/mean", "reward/std", "reward/accuracy", "response/length", "response/truncated", "train/loss",
