@@ -14,8 +14,9 @@ compares means and a noise level measured from the signal itself:
 
     window   the signals of the last ``memory_steps`` steps;  recent = the last ``recent_steps`` of them
     level    R = mean(recent);  reference B = mean(the window before them)
-    noise    sigma = sqrt(mean((a_j - a_{j-1})^2) / 2) over the window (successive differences: a
-             steady trend barely enters it);  e = 2 sigma sqrt(1/|recent| + 1/|before|)
+    noise    sigma = median |a_j - a_{j-1}| / (0.6745 sqrt 2) over the window (successive
+             differences, robustly: neither a steady trend nor a jump enters it);
+             e = Z sigma sqrt(1/|recent| + 1/|before|), Z = 2.5
     behind   d = (B - R) / (B - 1)                 counts when B - R > tol (B - 1) + e, by
              x = (B - R - e) / (B - 1) - tol        its excess over that threshold (as a gain share)
     rising   r = (R - R_t) / (R_t - 1), R_t = R when it last trained;  counts when R - R_t > tol (R_t - 1) + e
@@ -65,11 +66,15 @@ Z = 2.5
 
 
 def noise(signals: list[float]) -> float:
-    """sigma of one step's signal from successive differences (0 with fewer than 3 signals)."""
+    """sigma of one step's signal from its successive differences, robustly: for Gaussian noise the
+    median |a_j - a_{j-1}| is 0.6745 sqrt(2) sigma, and a jump (the policy moving) is one
+    difference, which the median ignores (0 with fewer than 3 signals)."""
     if len(signals) < 3:
         return 0.0
-    d = [(b - a) ** 2 for a, b in zip(signals, signals[1:])]
-    return math.sqrt(sum(d) / len(d) / 2.0)
+    d = sorted(abs(b - a) for a, b in zip(signals, signals[1:]))
+    mid = len(d) // 2
+    med = d[mid] if len(d) % 2 else (d[mid - 1] + d[mid]) / 2
+    return med / (0.6745 * math.sqrt(2.0))
 
 
 class DraftBudget:
