@@ -17,8 +17,8 @@ E = ``--every``); at point s:
                           policy/. Kinds (``--ceilings``, the first the goals'): ``recipe`` = that
                           recipe as it is (its own prompts); ``run`` = the same with its prompts
                           replaced by the run's own prompts of steps s - R .. s + R (R =
-                          ``--prompt-radius``; each once, an eighth held out for the distillation's
-                          own evaluation): where the run's prompts move away from the recipe's, the
+                          ``--prompt-radius``; each once, none of step s's own: those are the test
+                          set; an eighth held out for the distillation's own evaluation): where the run's prompts move away from the recipe's, the
                           recipe ceiling is distilled on a distribution the run no longer samples.
                           ``--ceiling-seeds`` n distils each kind n times (train.seed, + 1, ...): the
                           ceiling is their mean, their range its noise. ``--distill key=value``
@@ -293,9 +293,11 @@ def weight_diff(a: Path, b: Path) -> float:
 
 
 def run_prompts(prompts_by_step: dict[int, list[str]], s: int, radius: int) -> list[str]:
-    """The run's own prompts around step ``s``: those of steps s - radius .. s + radius, in order,
-    each once (the ``run`` ceiling's distillation prompts)."""
-    out, seen = [], set()
+    """The run's own prompts around step ``s``: those of steps s - radius .. s + radius but none of
+    step s's own (its chains are the test set), in order, each once (the ``run`` ceiling's
+    distillation prompts)."""
+    seen = set(prompts_by_step.get(s, []))
+    out = []
     for step in range(s - radius, s + radius + 1):
         for p in prompts_by_step.get(step, []):
             if p not in seen:

@@ -99,8 +99,10 @@ def test_points_and_refusals(bench):
     with pytest.raises(ValueError, match="--every 0"):
         bench.point_steps(10, 0)
     by_step = {1: ["a", "b"], 2: ["c", "a"], 3: ["d"], 5: ["e"]}
-    assert bench.run_prompts(by_step, 2, 1) == ["a", "b", "c", "d"]  # steps 1-3, each prompt once, in order
-    assert bench.run_prompts(by_step, 5, 0) == ["e"]
+    # steps 1-3 but none of step 2's prompts (its chains are scored), each prompt once, in order
+    assert bench.run_prompts(by_step, 2, 1) == ["b", "d"]
+    assert bench.run_prompts(by_step, 4, 1) == ["d", "e"]
+    assert bench.run_prompts(by_step, 5, 0) == []
 
     class Cfg:
         class draft:
