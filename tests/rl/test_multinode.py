@@ -160,10 +160,10 @@ def two_nodes(tmp_path_factory, cluster, one_node):
         cfg.grpo.num_steps = 3
         logprobs, killed = run.trainer.logprobs, {}
 
-        def kill_then_logprobs(batch, draft_step=None):
+        def kill_then_logprobs(batch, draft_step=None, draft_updates=1):
             killed["t"] = time.monotonic()
             other.kill_raylet()  # SIGKILL, as a crashed machine; Ray's GCS notices it only ~15 s later
-            return logprobs(batch, draft_step=draft_step)
+            return logprobs(batch, draft_step=draft_step, draft_updates=draft_updates)
 
         run.trainer.logprobs = kill_then_logprobs
         with pytest.raises(NodeDiedError) as e:
