@@ -46,8 +46,8 @@ points s > 1 in each), over the points' mean acceptances A:
     frozen share     = A_frozen / A_ceiling           issue 27's goal: <= 0.90 in the last third
 
 with the per-point ratios as median [min, max], and the drafter's share of the update over the
-third's steps (sum of time/draft / sum of time/update, the loop's metrics: a time, one run on a
-shared machine, indicative only).
+third's steps (sum of time/draft / sum of time/update over all its steps, a step without a drafter
+step counting 0 s; the loop's metrics: a time, one run on a shared machine, indicative only).
 
 Arms (``--arms``): ``fixed`` (draft.budget.mode=fixed: one drafter step per GRPO step) and
 ``adaptive`` (draft.budget.mode=adaptive, cotrain.draft.budget). Each arm is its own trajectory
@@ -459,9 +459,10 @@ def part_summary(points: list[dict], steps: list[dict], lo: int, hi: int, kinds:
     out = {"steps": [lo, hi], "points": [p["step"] for p in pts],
            "acceptance": {"ceiling": main["acceptance"], **{d: _mean([p[d] for p in pts]) for d in ("cotrained", "frozen")}},
            **{k: main[k] for k in ("recovery", "cotrained_share", "frozen_share", "per_point")}, "by_ceiling": by}
-    st = [m for m in steps if lo <= m["step"] <= hi and "time/draft" in m]
+    # every step of the part: one where the drafter took no step (draft.budget adaptive) spent 0 s on it
+    st = [m for m in steps if lo <= m["step"] <= hi and "time/update" in m]
     upd = sum(m["time/update"] for m in st)
-    out["drafter_share_of_update"] = _ratio(sum(m["time/draft"] for m in st), upd) if st else float("nan")
+    out["drafter_share_of_update"] = _ratio(sum(m.get("time/draft", 0.0) for m in st), upd) if st else float("nan")
     out["drafter_steps"] = sum(m.get("draft/updates", 1.0) for m in steps if lo <= m["step"] <= hi)
     kl = [m["kl/ref"] for m in steps if lo <= m["step"] <= hi and "kl/ref" in m]
     out["kl_ref_last"] = kl[-1] if kl else float("nan")
