@@ -509,64 +509,70 @@ CEILING_STYLE = {"recipe": ("o-", "ceiling (draft.init's recipe)"), "run": ("D-.
 
 
 def plot(result: dict, png: Path) -> None:
+    """Per arm (a column each): the drafters' acceptance at the points (the loop's every-step curves
+    beside) above their shares of each ceiling; last column: the policy's drift above the drafter's
+    share of the update per third."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     arms, kinds = result["arms"], ceiling_kinds(result)
-    fig, grid = plt.subplots(2, 2, figsize=(15, 9.5))
-    ax = grid.reshape(-1)
-    reward = ax[2].twinx()
+    n = len(arms)
+    fig, ax = plt.subplots(2, n + 1, figsize=(7.2 * (n + 1), 9.5), squeeze=False)
+    first = next(iter(result["summary"].values()))
+    bounds = [t["steps"][0] - 0.5 for t in first["thirds"][1:]]
+    reward = ax[0, n].twinx()
     for i, (arm, res) in enumerate(arms.items()):
+        top, bottom, c = ax[0, i], ax[1, i], f"C{i}"
         pts = res["points"]
         xs = [p["step"] for p in pts]
-        c = f"C{i}"
         steps = [m["step"] for m in res["steps"]]
-        for key, ls, label in (("draft/acceptance_offline", "-", "co-trained, every step"),
-                               ("draft/acceptance_offline_frozen", ":", "frozen, every step")):
-            ax[0].plot(steps, [m.get(key, float("nan")) for m in res["steps"]], ls, color=c, lw=0.8, alpha=0.4,
-                       label=f"{arm}: {label} (loop)")
+        for key, col, label in (("draft/acceptance_offline", "C2", "co-trained, every step it trained (loop)"),
+                                ("draft/acceptance_offline_frozen", "C3", "frozen, every step it was scored (loop)")):
+            top.plot(steps, [m.get(key, float("nan")) for m in res["steps"]], "-", color=col, lw=0.7, alpha=0.35,
+                     label=label)
         for j, kind in enumerate(kinds):
             style, label = CEILING_STYLE.get(kind, ("o-", f"ceiling ({kind})"))
-            ax[0].plot(xs, [ceiling_of(p, kind)["acceptance"] for p in pts], style, color=c, lw=2 if j == 0 else 1.2,
-                       label=f"{arm}: {label}")
-        ax[0].plot(xs, [p["cotrained"] for p in pts], "s--", color=c, label=f"{arm}: co-trained")
-        ax[0].plot(xs, [p["frozen"] for p in pts], "x:", color=c, ms=8, label=f"{arm}: frozen copy")
-        for j, kind in enumerate(kinds):
-            ls = "-" if j == 0 else "-."
-            ax[1].plot(xs, [_ratio(p["cotrained"], ceiling_of(p, kind)["acceptance"]) for p in pts], "s" + ls, color=c,
-                       label=f"{arm}: co-trained / {kind} ceiling", alpha=1 if j == 0 else 0.6)
-            ax[1].plot(xs, [_ratio(p["frozen"], ceiling_of(p, kind)["acceptance"]) for p in pts], "x" + ls, color=c,
-                       ms=8, label=f"{arm}: frozen / {kind} ceiling", alpha=1 if j == 0 else 0.6, lw=0.8)
-        ax[2].plot(steps, [m.get("kl/ref", float("nan")) for m in res["steps"]], "-", color=c,
-                   label=f"{arm}: KL to the initial policy")
+            top.plot(xs, [ceiling_of(p, kind)["acceptance"] for p in pts], style, color="k" if j == 0 else "0.45",
+                     lw=2 if j == 0 else 1.4, label=label)
+            for who, mk, col in (("cotrained", "s-", "C2"), ("frozen", "x:", "C3")):
+                bottom.plot(xs, [_ratio(p[who], ceiling_of(p, kind)["acceptance"]) for p in pts],
+                            mk if j == 0 else mk[0] + "-.", color=col, ms=7, alpha=1 if j == 0 else 0.55,
+                            lw=1.6 if j == 0 else 1.0, label=f"{'co-trained' if who == 'cotrained' else 'frozen'} / "
+                            f"{kind} ceiling")
+        top.plot(xs, [p["cotrained"] for p in pts], "s--", color="C2", lw=1.6, label="co-trained")
+        top.plot(xs, [p["frozen"] for p in pts], "x:", color="C3", ms=8, lw=1.6, label="frozen copy")
+        top.set_title(f"{arm}: offline greedy acceptance on step s's own chains (k={result.get('k')})")
+        bottom.axhline(GOAL_COTRAINED, color="g", lw=0.8, ls="--", label="goal: co-trained >= 0.95")
+        bottom.axhline(GOAL_FROZEN, color="r", lw=0.8, ls="--", label="goal: frozen <= 0.90 (last third)")
+        bottom.set_title(f"{arm}: share of the ceiling")
+        ax[0, n].plot(steps, [m.get("kl/ref", float("nan")) for m in res["steps"]], "-", color=c,
+                      label=f"{arm}: KL to the initial policy")
         reward.plot(steps, [m.get("reward/mean", float("nan")) for m in res["steps"]], ":", color=c, alpha=0.6,
                     label=f"{arm}: reward (right axis)")
         thirds = result["summary"][arm]["thirds"]
-        w = 0.8 / len(arms)
-        ax[3].bar([j + i * w for j in range(len(thirds))], [t["drafter_share_of_update"] for t in thirds], w,
-                  color=c, label=arm)
-    first = next(iter(result["summary"].values()))
-    for a in (ax[0], ax[1], ax[2]):
-        for t in first["thirds"][1:]:
-            a.axvline(t["steps"][0] - 0.5, color="0.7", lw=0.8)
-    ax[1].axhline(GOAL_COTRAINED, color="g", lw=0.8, ls="--", label="goal: co-trained >= 0.95")
-    ax[1].axhline(GOAL_FROZEN, color="r", lw=0.8, ls="--", label="goal: frozen <= 0.90 (last third)")
-    ax[0].set_title(f"offline greedy acceptance on the step's own chains (k={result.get('k')})")
-    ax[1].set_title("share of the ceiling")
-    ax[2].set_title("the policy's drift")
+        w = 0.8 / n
+        ax[1, n].bar([j + i * w for j in range(len(thirds))], [t["drafter_share_of_update"] for t in thirds], w,
+                     color=c, label=arm)
+        for a in (top, bottom):
+            a.set_xlabel("step s (the policy after s - 1 updates)")
+    for a in [*ax[:, :n].reshape(-1), ax[0, n]]:
+        for b in bounds:
+            a.axvline(b, color="0.7", lw=0.8)
+    ax[0, n].set_title("the policy's drift")
+    ax[0, n].set_xlabel("step")
     reward.set_ylabel("reward (dotted)")
     reward.legend(fontsize=7, loc="lower right")
-    ax[3].set_title("drafter time / update time, per third (one run, shared machine)")
-    ax[3].set_xticks([j + 0.4 - 0.4 / len(arms) for j in range(len(first["thirds"]))],
-                     [f"steps {t['steps'][0]}-{t['steps'][1]}" for t in first["thirds"]])
-    for a in ax[:3]:
-        a.set_xlabel("step s (the policy after s - 1 updates)")
-    for a in ax:
-        a.legend(fontsize=7, loc="upper left" if a is ax[2] else "best")
+    ax[1, n].set_title("drafter time / update time, per third (one run, shared machine)")
+    ax[1, n].set_xticks([j + 0.4 - 0.4 / n for j in range(len(first["thirds"]))],
+                        [f"steps {t['steps'][0]}-{t['steps'][1]}" for t in first["thirds"]])
+    for a in ax.reshape(-1):
+        a.legend(fontsize=7, loc="upper left" if a is ax[0, n] else "best")
+    seeds = result.get("ceiling_seeds", 1)
     fig.suptitle(f"the ceiling on one trajectory: {result['config']} "
-                 f"({result['arms'][next(iter(arms))]['num_steps']} steps, points every {result['every']})")
+                 f"({result['arms'][next(iter(arms))]['num_steps']} steps, points every {result['every']}"
+                 + (f", each ceiling the mean of {seeds} distillation seeds" if seeds > 1 else "") + ")")
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
