@@ -145,7 +145,7 @@ class ReplayWindow:
     def trim(self, step: int) -> None:
         """Drop entries older than ``max_age`` steps before ``step``, then the oldest over the bound."""
         self.entries = [e for e in self.entries if e.step > step - self.max_age]
-        while len(self.entries) > 1 and sum(e.nbytes for e in self.entries) > self.max_bytes:
+        while len(self.entries) > 1 and self.nbytes > self.max_bytes:
             self.entries.pop(0)
 
     def select(self, j: int, per_step: int) -> list[ReplayEntry]:
@@ -299,6 +299,7 @@ class OnlineDraftTrainer:
         if b is not None and b.mode == "adaptive" and b.max_steps > 1:
             self.window = ReplayWindow(b.replay_steps, b.replay_max_mib * 2**20)
         self._replay: Optional[int] = None  # the extra step being taken (None: the step's own)
+        self._replay_entry_step = 0  # the GRPO step of the microbatch being replayed
         self._microbatches_seen = 0
         # FLOPs of a drafter step per chain position: 6 x the parameters it multiplies (its own and a
         # borrowed LM head; an embedding lookup is no matmul)
