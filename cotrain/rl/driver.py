@@ -149,7 +149,7 @@ class StepGroups:
     first: GenerationResult          # the first round's rollouts [P][G] and metrics (what reward/* report)
     first_problems: list[Problem]    # [P] its prompts
     first_rewards: torch.Tensor      # [P, G] its rewards
-    samples: list[list[Sample]]      # [P][G] the groups the update trains on (resampled: with signal first)
+    samples: list[list[Sample]]      # [P][G] the groups the update trains on, in draw order
     rewards: torch.Tensor            # [P, G] their rewards
     with_signal: int                 # how many of them carry a learning signal (rewards not all equal)
     resampled_prompts: int           # prompts drawn beyond the first round
@@ -211,7 +211,8 @@ class GrpoRun:
         self.budget = DraftBudget(cfg.draft.budget, served=self.serves_cotrained_drafter) if self.cotrain else None
         if self.budget is not None and saved is not None and saved.get("draft_budget"):
             self.budget.load_state_dict(saved["draft_budget"])
-        self.policy_params = param_count(self.model_path)
+        # (the budget's FLOP estimate of an update; headers only)
+        self.policy_params = param_count(self.model_path) if self.budget is not None else 0
         draft_init = resolve_draft_init(cfg) if self.cotrain else None
         self.workers.start()
         self.trainer = self.workers.trainer(self.model_path, draft_init)
