@@ -264,6 +264,10 @@ class GrpoRun:
         return SamplingSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
                             seed=self.cfg.run.seed * 1_000_003 + step + round * 2**32)
 
+    def generate_groups(self, problems: list[Problem], sampling: SamplingSpec) -> GenerationResult:
+        """grpo.group_size samples of each problem's response from the engines (one turn)."""
+        return self.rollout.generate([p.prompt for p in problems], sampling, n=self.cfg.grpo.group_size)
+
     def draw_groups(self, step: int) -> StepGroups:
         """The step's groups: one round of prompts_per_step prompts, then (grpo.resample_rounds,
         DAPO's dynamic sampling) further rounds while fewer than prompts_per_step groups carry a
@@ -271,7 +275,7 @@ class GrpoRun:
         cfg, g = self.cfg, self.cfg.grpo
         P = g.prompts_per_step
         problems = self.stream.take(P)
-        first = self.rollout.generate([p.prompt for p in problems], self.sampling(step), n=g.group_size)
+        first = self.generate_groups(problems, self.sampling(step))
         first_rewards = score(cfg, first.samples, problems)
         samples, rewards = list(first.samples), [first_rewards]
         signal = groups_with_signal(first_rewards).tolist()
@@ -279,7 +283,7 @@ class GrpoRun:
             if sum(signal) >= P:
                 break
             more = self.stream.take(P)
-            gen = self.rollout.generate([p.prompt for p in more], self.sampling(step, r), n=g.group_size)
+            gen = self.generate_groups(more, self.sampling(step, r))
             problems, samples = problems + more, samples + gen.samples
             rewards.append(score(cfg, gen.samples, more))
             signal += groups_with_signal(rewards[-1]).tolist()

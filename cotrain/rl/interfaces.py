@@ -52,9 +52,11 @@ class Sample:
     logprobs: list[float]  # the sampler's log-probability of each response token
     text: str
     finish_reason: str  # "stop" (end of sequence) or "length"
-    weight_version: int
+    weight_version: int  # the policy version that sampled it (the engine's label: the last policy push)
     spec_decode: dict | None = None  # acceptance statistics when speculative decoding is on (scalars, and
     # "acceptance_histogram": rounds by number of accepted drafts)
+    draft_version: int | None = None  # the drafter version that drafted it (the last drafter push; None:
+    # no speculation, or the engines' initial drafter)
 
 
 @dataclass

@@ -198,7 +198,7 @@ class VllmGeneration(GenerationBackend):
                 spec["acceptance_histogram"] = [int(x) for x in d["acceptance_histogram"]]
         return Sample(prompt_index=index, prompt_token_ids=list(out.prompt_token_ids), token_ids=list(c.token_ids),
                       logprobs=lps, text=c.text, finish_reason=str(c.finish_reason), weight_version=version,
-                      spec_decode=spec)
+                      spec_decode=spec, draft_version=self.draft_version if spec is not None else None)
 
     # -- weights
     def weight_version(self) -> int:
