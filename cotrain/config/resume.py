@@ -34,6 +34,8 @@ _REFUSED = {
     "draft.kind": "the checkpoint holds this drafter's weights",
     "draft.cotrain": "the checkpoint's trainer state holds a co-trained drafter or none",
     "run.seed": "the prompt stream's order and the sampling seeds derive from it",
+    "grpo.max_staleness": "the checkpoint holds the samples in flight of its staleness schedule (the next steps' "
+                          "rollouts, sampled by policies it no longer holds)",
     "data.": "the prompt stream's position is an index into the data in its order",  # (data.eval.* applies)
 }
 

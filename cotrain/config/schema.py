@@ -894,6 +894,24 @@ class GrpoConfig(StrictModel):
     min_groups_with_signal decides whether it updates. Reported: grpo/groups_with_signal,
     grpo/resampled_prompts. reward/* stay the first round's (an unbiased sample of the policy).
     0 = off: every group drawn is trained on."""
+    max_staleness: NonNegInt = 0
+    """Asynchronous GRPO: the rollouts of step t are sampled by the policy of step t-1-k (k =
+    max_staleness; the initial policy while t-1-k < 0), so that while step t updates, the engines
+    already generate the rollouts of steps t+1..t+k. The schedule is fixed (not "at most k"), so a
+    seeded run is deterministic, and the k steps of samples in flight are in every checkpoint. The
+    drafter co-trains on every batch and the engines serve the newest pushed drafter. Pushes land
+    between engine calls, never inside a request. Needs rollout.colocate=false (colocated engines
+    and trainers take turns on the same devices: nothing to overlap). 0 = synchronous."""
+    importance_correction: Literal["none", "tis", "mis"] = "none"
+    """Correction of the loss for the gap between the policy that sampled (the engines' log-probs:
+    stale by up to max_staleness versions, and a different implementation) and the policy the update
+    starts from (the trainer's recomputed log-probs), by the per-token ratio w = pi_old / pi_behaviour:
+    tis = truncated IS, each token's policy-gradient term times min(w, importance_cap); mis = masked
+    IS, tokens with w > importance_cap leave the loss (its sum and its token count), the others
+    weighted by w. Reported: train/is_ratio_mean, train/is_truncated_frac. none = no correction (the
+    loss is exactly the uncorrected one)."""
+    importance_cap: Annotated[float, Field(ge=1)] = 2.0
+    """The cap C of grpo.importance_correction (tis truncates at it, mis rejects above it); >= 1."""
 
 
 # -------------------------------------------------------------------------------------------- data

@@ -306,6 +306,7 @@ def check_batches(cfg: CotrainConfig) -> list[Issue]:
         issues.append(("grpo.min_groups_with_signal", f"{g.min_groups_with_signal} is more than a step's "
                        f"grpo.prompts_per_step={g.prompts_per_step} groups: no step would ever update the policy "
                        f"(allowed: 0..{g.prompts_per_step})"))
+    issues += _check_async(cfg)
     B = cfg.rollout_batch_size
     if pol.packing:  # micro batches by token budget: every data-parallel rank needs one sequence
         unit = pol.parallel.data
@@ -350,6 +351,20 @@ def check_batches(cfg: CotrainConfig) -> list[Issue]:
     if opt.schedule == "cosine" and opt.min_lr > opt.lr:
         issues.append(("policy.optimizer.min_lr", f"{opt.min_lr:g} exceeds policy.optimizer.lr={opt.lr:g}: the "
                        f"cosine schedule decays from lr to min_lr (allowed: 0..{opt.lr:g})"))
+    return issues
+
+
+def _check_async(cfg: CotrainConfig) -> list[Issue]:
+    """grpo.max_staleness needs engines and trainers on their own resources; importance_cap acts
+    only with a correction."""
+    g, issues = cfg.grpo, []
+    if g.max_staleness and cfg.rollout.colocate:
+        issues.append(("grpo.max_staleness", f"{g.max_staleness}: rollout.colocate=true makes the engines and the "
+                       "trainers take turns on the same devices, so there is nothing to overlap (allowed with "
+                       "colocate: 0; or rollout.colocate=false)"))
+    if g.importance_correction == "none" and g.importance_cap != type(g)().importance_cap:
+        issues.append(("grpo.importance_cap", "acts only with grpo.importance_correction: tis or mis "
+                       "(none: no correction)"))
     return issues
 
 

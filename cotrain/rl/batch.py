@@ -25,6 +25,8 @@ class TrainBatch:
     old_logprobs: torch.Tensor | None = None  # [N, S] trainer's log-probs before the update
     ref_logprobs: torch.Tensor | None = None  # [N, S] reference policy's log-probs
     lengths: torch.Tensor | None = None  # [N] real tokens per row (prompt + response), at most S
+    is_weights: torch.Tensor | None = None  # [N, S] the off-policy correction's per-token weights
+    # (grpo.importance_correction; cotrain.rl.grpo.importance_weights), None = no correction
 
     def __post_init__(self) -> None:
         if self.lengths is None:  # from the mask: the last response target t predicts token t + 1

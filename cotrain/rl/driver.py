@@ -2,12 +2,14 @@
 
     for each step:
         prompts   <- the next prompts_per_step problems
-        rollouts  <- group_size samples per prompt from the engines (current weights)
+        rollouts  <- group_size samples per prompt from the engines (current weights; with
+                     grpo.max_staleness = k, drawn k steps ahead while earlier steps update)
         rewards   <- verifiable reward of each response; groups whose rewards are all equal carry no
                      learning signal (grpo.resample_rounds: more prompts drawn in their place, DAPO)
         advantages<- group-normalised rewards
         log-probs <- the policy's recomputation on the rollout batch; the co-trained drafter
-                     trains on this very forward (its taps, the policy's detached logits)
+                     trains on this very forward (its taps, the policy's detached logits);
+                     grpo.importance_correction weighs the loss by trainer / engine ratios
         update    <- GRPO optimizer step on the trainers (none - the policy stays bit-identical -
                      when fewer than grpo.min_groups_with_signal groups carry a signal)
         push      <- new policy (and drafter) weights into the engines (versioned)
@@ -35,7 +37,8 @@ from cotrain.config.resume import describe as describe_changes
 from cotrain.config.resume import diff_against
 from cotrain.rl.batch import TrainBatch, build_batch
 from cotrain.rl.checkpoint import CheckpointError, CheckpointManager, unsafe_files
-from cotrain.rl.grpo import group_advantages, groups_with_signal, k3_kl, select_groups
+from cotrain.rl.grpo import group_advantages, groups_with_signal, importance_weights, k3_kl, select_groups
+from cotrain.rl.inflight import DrawAhead, StepGroups
 from cotrain.rl.interfaces import GenerationResult, Sample, SamplingSpec, WorkerFactory
 from cotrain.rl.metrics import MetricsLogger
 from cotrain.tasks.data import Problem, PromptStream
@@ -143,19 +146,6 @@ def check_finite(step: int, train_metrics: dict[str, float]) -> None:
 
 
 @dataclass
-class StepGroups:
-    """The groups a step drew (:meth:`GrpoRun.draw_groups`). P = grpo.prompts_per_step, G = group_size."""
-
-    first: GenerationResult          # the first round's rollouts [P][G] and metrics (what reward/* report)
-    first_problems: list[Problem]    # [P] its prompts
-    first_rewards: torch.Tensor      # [P, G] its rewards
-    samples: list[list[Sample]]      # [P][G] the groups the update trains on, in draw order
-    rewards: torch.Tensor            # [P, G] their rewards
-    with_signal: int                 # how many of them carry a learning signal (rewards not all equal)
-    resampled_prompts: int           # prompts drawn beyond the first round
-
-
-@dataclass
 class DriverState:
     """What the driver itself needs to resume exactly (the workers checkpoint their own state)."""
 
@@ -178,6 +168,8 @@ class GrpoRun:
         self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
         self.trainer = self.rollout = self.logger = None
         self.rejected_draft_pushes = 0
+        self.ahead = DrawAhead(cfg.grpo.max_staleness)  # the steps drawn ahead (cotrain.rl.inflight)
+        self.served_policy = 0  # the policy version the engines serve (the last policy push)
         self.resume_changes: list = []  # config keys changed since the resumed checkpoint (applied)
 
     def setup(self, resume) -> None:
@@ -228,6 +220,7 @@ class GrpoRun:
                 self.trainer.load_checkpoint(str(resume_dir))
             self.state = DriverState(step=saved["step"], data=saved["data"])
             self.stream.load_state(self.state.data)
+            self.ahead.load_state_dict(saved.get("ahead", {}))  # samples in flight (grpo.max_staleness)
             self.push("policy", version=self.state.step)  # engines serve exactly the checkpointed policy
             if self.serves_cotrained_drafter:
                 self.push("draft", version=self.state.step)  # ... and drafter
@@ -268,10 +261,11 @@ class GrpoRun:
         """grpo.group_size samples of each problem's response from the engines (one turn)."""
         return self.rollout.generate([p.prompt for p in problems], sampling, n=self.cfg.grpo.group_size)
 
-    def draw_groups(self, step: int) -> StepGroups:
+    def draw_groups(self, step: int, version: int | None = None) -> StepGroups:
         """The step's groups: one round of prompts_per_step prompts, then (grpo.resample_rounds,
         DAPO's dynamic sampling) further rounds while fewer than prompts_per_step groups carry a
-        learning signal; the update's groups are :func:`~cotrain.rl.grpo.select_groups`'."""
+        learning signal; the update's groups are :func:`~cotrain.rl.grpo.select_groups`'.
+        ``version``: the policy version the engines hold for this draw (default: the served one)."""
         cfg, g = self.cfg, self.cfg.grpo
         P = g.prompts_per_step
         problems = self.stream.take(P)
@@ -291,13 +285,20 @@ class GrpoRun:
         rewards = torch.cat(rewards)[keep]
         return StepGroups(first=first, first_problems=problems[:P], first_rewards=first_rewards,
                           samples=[samples[i] for i in keep], rewards=rewards,
-                          with_signal=int(groups_with_signal(rewards).sum()), resampled_prompts=len(problems) - P)
+                          with_signal=int(groups_with_signal(rewards).sum()), resampled_prompts=len(problems) - P,
+                          version=self.served_policy if version is None else version)
 
     def step(self, step: int) -> dict[str, float]:
         cfg, g = self.cfg, self.cfg.grpo
         m: dict[str, float] = {}
+        t_step = time.perf_counter()
         with timed(m, "time/rollout"):
-            groups = self.draw_groups(step)
+            groups = self.ahead.take(step) or self.draw_groups(step)  # (drawn ahead: grpo.max_staleness)
+        drawn_now = m["time/rollout"]
+        lag = self.ahead.check(step, groups, self.served_policy)
+        if g.max_staleness:  # the next steps' rollouts, drawn on the engines while this step updates
+            version = self.served_policy
+            self.ahead.launch(step, g.num_steps, lambda s: self.draw_groups(s, version))
         m.update(reward_metrics(groups.first.samples, groups.first_problems))
         adv = group_advantages(groups.rewards, g.baseline, g.normalize_std)
         flat = [s for row in groups.samples for s in row]
@@ -316,9 +317,18 @@ class GrpoRun:
             if self.budget is not None:
                 self.budget.spent(step, draft_updates, signal, lp.draft_metrics)
             m.update(train_inference_kl(batch))
+            if g.importance_correction != "none":  # the engines sampled: weigh by trainer / engine ratios
+                batch.is_weights, batch.mask, is_metrics = importance_weights(
+                    batch.old_logprobs, batch.rollout_logprobs, batch.mask, g.importance_correction,
+                    g.importance_cap, log_ratio_clamp=g.log_ratio_clamp)
+                m.update(is_metrics)
             train_metrics = self.trainer.train_step(batch) if update else None
         if update:
             check_finite(step, train_metrics)  # before the policy is pushed, logged or saved
+        if g.max_staleness:  # the draws in flight end before anything is pushed (between engine calls)
+            drawn_ahead, waited = self.ahead.wait()
+            m.update({"time/rollout": drawn_now + drawn_ahead, "time/rollout_wait": drawn_now + waited,
+                      "async/policy_lag": float(lag)})
         with timed(m, "time/weight_push"):
             if update:  # (an unchanged policy is not pushed again)
                 self.push("policy", version=step)
@@ -346,6 +356,7 @@ class GrpoRun:
                 m["kl/ref"] = train_metrics["kl_ref"]
         if lp.draft_metrics is not None:
             m.update(draft_step_metrics(lp.draft_metrics, m["time/update"]))
+        m["time/step"] = time.perf_counter() - t_step
         return m
 
     def draft_budget(self, step: int, batch: TrainBatch, m: dict) -> tuple[int, float | None]:
@@ -394,6 +405,8 @@ class GrpoRun:
             self.rollout.push(kind, handle, version)
         finally:
             self.trainer.release_export(handle)
+        if kind == "policy":
+            self.served_policy = version
 
     def push_draft(self, step: int) -> dict[str, float]:
         """Push the co-trained drafter; a rejected push leaves the engines on the previous drafter
@@ -460,10 +473,12 @@ class GrpoRun:
         self.ckpt.begin(step)
         self.trainer.save_checkpoint(str(self.ckpt.step_dir(step)))
         self.ckpt.commit(step, {"step": step, "data": self.stream.state(), "run_id": self.run_id,
-                                **({"draft_budget": self.budget.state_dict()} if self.budget is not None else {})},
+                                **({"draft_budget": self.budget.state_dict()} if self.budget is not None else {}),
+                                **({"ahead": self.ahead.state_dict()} if self.cfg.grpo.max_staleness else {})},
                          config_yaml=self.cfg.to_yaml())
 
     def shutdown(self) -> None:
+        self.ahead.close()
         if self.logger is not None:
             self.logger.close()
         for workers in (self.rollout, self.trainer):

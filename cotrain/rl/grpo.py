@@ -30,6 +30,19 @@ rounds to about -1e-8 for |d| ~ 1e-4, which made a train-inference KL of ~0 prin
 
 The batch loss aggregates l_t over response tokens either as one mean over all tokens
 ("token_mean") or as the mean over sequences of each sequence's token mean ("seq_mean").
+
+Off-policy correction (grpo.importance_correction). The responses were sampled by a behaviour
+policy mu (the engines: up to grpo.max_staleness versions older than the policy pi_old the update
+starts from, and another implementation of it); with w_t = pi_old(y_t) / mu(y_t) (both detached),
+
+    tis:  l_t <- min(w_t, C) * l_t^pg + kl_t                 (truncated IS: every token kept)
+    mis:  l_t <- w_t * l_t^pg + kl_t   for w_t <= C; tokens with w_t > C leave the loss - its sum
+          and its token (sequence) counts                    (masked IS: an outlier is rejected)
+
+(l^pg the clipped surrogate term, kl_t the penalty, C = grpo.importance_cap). Truncation bounds the
+variance at the price of a bias towards mu where w > C; masking removes those tokens altogether
+(Yao et al. 2025; Liu et al. 2025's MIS; rejected tokens out of the denominator as verl and slime
+count them).
 """
 
 from __future__ import annotations
@@ -98,15 +111,48 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor, log_ratio_clamp: float | N
     return k3.to(out_dtype)
 
 
+IS_CORRECTIONS = ("none", "tis", "mis")
+
+
+def importance_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, mode: str,
+                       cap: float, log_ratio_clamp: float | None = LOG_RATIO_CLAMP
+                       ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """The off-policy correction of the module doc: per-token weights [N, S] for the policy-gradient
+    term, the loss mask [N, S] the update keeps (``mask`` itself for tis; without the rejected
+    tokens for mis) and metrics over the response tokens (``mask``): ``train/is_ratio_mean`` (of w),
+    ``train/is_ratio_max`` and ``train/is_truncated_frac`` (w > C: truncated by tis, rejected by
+    mis). ``old_logp`` / ``behaviour_logp``: the trainer's and the engines' log-probs [N, S]."""
+    if mode not in ("tis", "mis"):
+        raise ValueError(f"grpo.importance_correction: {mode!r} (allowed here: tis, mis)")
+    log_w = old_logp.double() - behaviour_logp.double()
+    if log_ratio_clamp is not None:
+        log_w = log_w.clamp(-log_ratio_clamp, log_ratio_clamp)
+    w = torch.exp(log_w)
+    on = mask.bool()
+    over = (w > cap) & on
+    if mode == "tis":
+        weights, keep = w.clamp(max=cap), mask
+    else:
+        weights, keep = torch.where(over, torch.zeros_like(w), w), mask * (~over).to(mask.dtype)
+    n = max(int(on.sum()), 1)
+    stats = {"train/is_ratio_mean": float(w[on].sum()) / n,
+             "train/is_ratio_max": float(w[on].max()) if on.any() else 1.0,
+             "train/is_truncated_frac": float(over.sum()) / n}
+    return (weights * mask.double()).to(old_logp.dtype), keep, stats
+
+
 def grpo_token_losses(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                       clip_low: float, clip_high: float, ref_logp: torch.Tensor | None = None,
                       kl_coef: float = 0.0, log_ratio_clamp: float | None = LOG_RATIO_CLAMP,
                       clip_ratio_c: float | None = CLIP_RATIO_C,
-                      kl_clamp: float | None = KL_CLAMP) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                      kl_clamp: float | None = KL_CLAMP,
+                      is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token loss l_t (same shape as ``logp``) and per-token diagnostics.
 
     ``log_ratio_clamp``, ``clip_ratio_c`` and ``kl_clamp`` are grpo.log_ratio_clamp,
-    grpo.clip_ratio_c and grpo.kl_clamp (None = that guard off). Diagnostics: ``ratio``,
+    grpo.clip_ratio_c and grpo.kl_clamp (None = that guard off); ``is_weights`` the off-policy
+    correction's weights of the policy-gradient term (:func:`importance_weights`; None = none,
+    nothing multiplied). Diagnostics: ``ratio``,
     ``clipped`` (the clipped term was taken), ``dual_clipped`` (the dual clip's floor was taken)
     and, with ``ref_logp``, ``kl_ref`` (the unclamped k3, the KL measurement; the penalty uses the
     clamped one).
@@ -128,7 +174,7 @@ def grpo_token_losses(logp: torch.Tensor, old_logp: torch.Tensor, advantages: to
         info["dual_clipped"] = dual.float().detach()
     else:
         info["dual_clipped"] = torch.zeros_like(ratio).detach()
-    loss = -objective
+    loss = -objective if is_weights is None else -objective * is_weights
     if ref_logp is not None:
         kl = k3_kl(logp, ref_logp, log_ratio_clamp=log_ratio_clamp)
         info["kl_ref"] = kl.detach()

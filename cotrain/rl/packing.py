@@ -78,7 +78,7 @@ class PackedMicro:
     inputs, targets      [1, T]  token ids, next tokens (0 on padding)
     mask                 [1, T]  float, 1 on response targets
     advantages           [1, T]  the sequence's advantage at each of its positions
-    old_logprobs         [1, T]  or None (as ref_logprobs)
+    old_logprobs         [1, T]  or None (as ref_logprobs, is_weights)
     seq                  [1, T]  int64, the position's sequence in ``rows`` (-1: padding, filler)
     grid                 [T]     int64, the position's index in the batch's flattened [N, S] grid (-1: none)
     rows                 [n]     the sequences' rows in the batch
@@ -106,6 +106,7 @@ class PackedMicro:
     width: int
     packed_seq_params: object
     grid_width: int
+    is_weights: torch.Tensor | None = None
 
     def __len__(self) -> int:  # sequences (Megatron's micro batch is one packed row)
         return len(self.rows)
@@ -188,7 +189,8 @@ def pack(batch, rows: list[int], cp: int = 1, rank: int = 0, width: int | None =
         inputs=take(batch.inputs), targets=take(batch.targets), mask=take(batch.mask), advantages=advantages,
         old_logprobs=take(batch.old_logprobs), ref_logprobs=take(batch.ref_logprobs), seq=seq_d[None], grid=grid_d,
         rows=idx, lengths=lengths, widths=widths, seq_tokens=batch.mask[idx.to(batch.mask.device)].sum(dim=1),
-        num_real=real_len // cp, width=int(cu_pad[-1]), packed_seq_params=params, grid_width=S)
+        num_real=real_len // cp, width=int(cu_pad[-1]), packed_seq_params=params, grid_width=S,
+        is_weights=take(batch.is_weights))
 
 
 def rank_micro_batches(batch, budget: int, dp: int, dp_rank: int, cp: int = 1, cp_rank: int = 0,

@@ -469,7 +469,7 @@ class MegatronPolicyWorker:
             tok_loss, info = grpo_token_losses(logp, mb.old_logprobs, adv, g.clip_eps_low, g.clip_eps_high,
                                                ref_logp=mb.ref_logprobs, kl_coef=g.kl_coef,
                                                log_ratio_clamp=g.log_ratio_clamp, clip_ratio_c=g.clip_ratio_c,
-                                               kl_clamp=g.kl_clamp)
+                                               kl_clamp=g.kl_clamp, is_weights=mb.is_weights)
             loss = aggregate(tok_loss, mb.mask, g.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs,
                              seq_tokens=mb.seq_tokens if packed else seq_tokens[id(mb)],
                              seq_index=mb.seq if packed else None)

@@ -43,8 +43,24 @@ class FakeRollout(GenerationBackend):
         # whether sample j of a prompt is answered correctly: (seed, i, j, prompt) -> bool
         self.correct = correct or (lambda seed, i, j, prompt: _correct(seed, i, j))
         self.version = 0
+        self.generated = []  # (sampling seed, the policy version the engines held) per generate call
+        self.busy = False  # inside a generate call
+        self.overlap = None  # grpo.max_staleness tests: an Event the trainer sets when an update starts
 
     def generate(self, prompts, sampling, n):
+        self.busy = True
+        try:
+            return self._generate(prompts, sampling, n)
+        finally:
+            self.busy = False
+
+    def _generate(self, prompts, sampling, n):
+        if self.overlap is not None and self.generated:  # (the first draw has no update to overlap)
+            # a draw ahead proceeds only once an update is running beside it: a driver that waited
+            # for the draw before updating would hang here
+            assert self.overlap.wait(timeout=30), "the draw never overlapped an update"
+            self.overlap.clear()
+        self.generated.append((sampling.seed, self.version))
         self.log.append(("generate", tuple(prompts), sampling.seed, n))
         samples = []
         for i, prompt in enumerate(prompts):
@@ -63,6 +79,7 @@ class FakeRollout(GenerationBackend):
         return GenerationResult(samples, metrics)
 
     def push(self, kind, handle, version):
+        assert not self.busy, f"a {kind} push landed inside a generate call"
         self.log.append(("push", kind, handle["id"], version))
         if kind == "policy" and version in self.fail_policy:
             raise RuntimeError(f"engine lost during the policy push of version {version}")
@@ -83,6 +100,8 @@ class FakeTrainer(TrainingBackend):
     def __init__(self, log: list):
         self.log = log
         self.updates = 0
+        self.overlap = None
+        self.shift = None  # a further shift of the recomputed log-probs: mask -> [N, S]
         self.exports = 0
         self.batches = []
         self.draft_updates = []
@@ -91,9 +110,13 @@ class FakeTrainer(TrainingBackend):
         self.log.append(("logprobs", draft_step))
         self.draft_updates.append(draft_updates if draft_step else 0)
         lp = batch.rollout_logprobs - 0.01 * batch.mask  # what the trainer recomputed
+        if self.shift is not None:
+            lp = lp + self.shift(batch.mask)
         return PolicyLogprobs(lp, None, {"draft/loss": 2.0, "draft/time_s": 0.0, "draft/flops": 1.0} if draft_step else None)
 
     def train_step(self, batch):
+        if self.overlap is not None:
+            self.overlap.set()
         self.log.append(("train_step",))
         self.batches.append(batch)
         self.updates += 1
@@ -131,17 +154,24 @@ class FakeTrainer(TrainingBackend):
 
 
 class FakeWorkers(WorkerFactory):
-    def __init__(self, **rollout_faults):
+    def __init__(self, overlap: bool = False, **rollout_faults):
+        import threading
+
         self.log: list = []
         self.rollout_faults = rollout_faults
+        self.overlap = threading.Event() if overlap else None
+        self.trainer_shift = None
 
     def trainer(self, model_path, draft_init):
         self.trainer_ = FakeTrainer(self.log)
+        self.trainer_.overlap, self.trainer_.shift = self.overlap, self.trainer_shift
         return self.trainer_
 
     def rollout(self, model_path, draft_model):
         self.log.append(("rollout", draft_model is not None))
-        return FakeRollout(self.log, **self.rollout_faults)
+        self.rollout_ = FakeRollout(self.log, **self.rollout_faults)
+        self.rollout_.overlap = self.overlap
+        return self.rollout_
 
 
 def _cfg(out: Path, *extra: str):
@@ -392,3 +422,140 @@ def test_the_adaptive_budget_idles_while_the_drafter_keeps_up_and_works_when_it_
     _run(_cfg(tmp_path / "b", *ADAPTIVE, f"checkpoint.dir={tmp_path / 'a' / 'checkpoints'}",
               f"checkpoint.resume={step4}"), resumed, resume=str(step4))
     assert resumed.trainer_.draft_updates == [1, 0, 2, 3, 3]
+
+
+# ------------------------------------------------------------------ asynchronous GRPO (grpo.max_staleness)
+def _batches_equal(a, b) -> bool:
+    from dataclasses import fields
+
+    return all((getattr(a, f.name) is None and getattr(b, f.name) is None) or torch.equal(getattr(a, f.name),
+               getattr(b, f.name)) for f in fields(a))
+
+
+def test_staleness_one_draws_the_next_step_while_this_one_updates(tmp_path):
+    """k = 1: step t's rollouts are sampled by the policy of step t-2 (the initial one for t <= 2),
+    the draw of step t+1 runs beside step t's update (the fake engines block until an update has
+    started), no push lands inside a generate call, and - these fake engines' outputs do not depend
+    on the policy - the trainer gets exactly the synchronous run's batches."""
+    sync = FakeWorkers()
+    _run(_cfg(tmp_path / "sync"), sync)
+    workers = FakeWorkers(overlap=True)
+    _run(_cfg(tmp_path / "async", "grpo.max_staleness=1"), workers)
+    seeds = [SEED * 1_000_003 + s for s in range(1, STEPS + 1)]
+    assert workers.rollout_.generated == list(zip(seeds, [0, 0, 1, 2]))
+    assert sync.rollout_.generated == list(zip(seeds, [0, 1, 2, 3]))
+    assert len(workers.trainer_.batches) == STEPS
+    assert all(_batches_equal(a, b) for a, b in zip(workers.trainer_.batches, sync.trainer_.batches))
+    # each step's policy (and the drafter every PUSH_EVERY) is pushed after its update, as synchronously
+    pushes = [e for e in workers.log if e[0] == "push"]
+    assert pushes == [e for e in sync.log if e[0] == "push"]
+    m = _metrics(tmp_path / "async")
+    assert [m[s]["async/policy_lag"] for s in m] == [0.0, 1.0, 1.0, 1.0]
+    assert all(m[s]["time/rollout_wait"] >= 0 and m[s]["time/step"] > 0 for s in m)
+    assert "async/policy_lag" not in _metrics(tmp_path / "sync")[1]
+
+
+def test_staleness_two_resumes_exactly_with_the_samples_in_flight(tmp_path):
+    """k = 2, 6 steps, checkpoints every 2: the checkpoint of step 2 holds the rollouts of steps 3 and 4
+    (sampled by the initial policy and step 1's), so the resumed run draws only steps 5 and 6, on the
+    versions the whole run drew them on, and trains on the same batches with the same metrics."""
+    six = ["grpo.num_steps=6", "grpo.max_staleness=2"]
+    whole = FakeWorkers()
+    _run(_cfg(tmp_path / "a", *six), whole)
+    seeds = [SEED * 1_000_003 + s for s in range(1, 7)]
+    assert whole.rollout_.generated == list(zip(seeds, [0, 0, 0, 1, 2, 3]))
+    step2 = tmp_path / "a" / "checkpoints" / "step_000002"
+    resumed = FakeWorkers()
+    _run(_cfg(tmp_path / "b", *six, f"checkpoint.dir={tmp_path / 'a' / 'checkpoints'}", f"checkpoint.resume={step2}"),
+         resumed, resume=str(step2))
+    assert resumed.rollout_.generated == whole.rollout_.generated[4:]
+    assert [e for e in resumed.log if e[0] == "generate"] == [e for e in whole.log if e[0] == "generate"][4:]
+    assert all(_batches_equal(a, b) for a, b in zip(resumed.trainer_.batches, whole.trainer_.batches[2:]))
+    a, b = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
+    def timeless(r):
+        return {k: v for k, v in r.items() if not k.startswith("time/") and k != "rollout/tokens_per_s"}
+
+    assert [timeless(b[s]) for s in range(3, 7)] == [timeless(a[s]) for s in range(3, 7)]
+    assert [a[s]["async/policy_lag"] for s in a] == [0.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    # another staleness cannot continue this checkpoint's schedule: refused before any worker starts
+    from cotrain.config import ConfigError
+
+    refused = FakeWorkers()
+    with pytest.raises(ConfigError, match="grpo.max_staleness"):
+        _run(_cfg(tmp_path / "c", "grpo.num_steps=6", "grpo.max_staleness=1",
+                  f"checkpoint.dir={tmp_path / 'a' / 'checkpoints'}", f"checkpoint.resume={step2}"),
+             refused, resume=str(step2))
+    assert "generate" not in {e[0] for e in refused.log}
+
+
+class MislabellingRollout(FakeRollout):
+    """Engines whose samples of the third generate call carry a version no push made."""
+
+    def _generate(self, prompts, sampling, n):
+        res = super()._generate(prompts, sampling, n)
+        if len(self.generated) == 3:
+            for row in res.samples:
+                row[0].weight_version = self.version + 7
+        return res
+
+
+def test_samples_of_another_version_than_the_schedule_are_refused(tmp_path):
+    from cotrain.rl.inflight import DrawAhead, StaleSampleError, StepGroups
+
+    workers = FakeWorkers()
+    workers.rollout = lambda model_path, draft_model: setattr(workers, "rollout_", MislabellingRollout(workers.log)) \
+        or workers.rollout_
+    with pytest.raises(StaleSampleError, match=r"step 3: samples of policy version\(s\) \[8\] in a draw started on "
+                                               r"version 1: a weight push landed during the draw"):
+        _run(_cfg(tmp_path, "grpo.max_staleness=1"), workers)
+    assert [e[0] for e in workers.log].count("train_step") == 2  # steps 1 and 2 trained, step 3 refused
+    # a sample more than k versions older than the trainer's policy is never trained on
+    sample = Sample(prompt_index=0, prompt_token_ids=[5], token_ids=[6], logprobs=[-0.1], text="2",
+                    finish_reason="stop", weight_version=0)
+    drawn = StepGroups(first=None, first_problems=[], first_rewards=None, samples=[[sample]], rewards=None,
+                       with_signal=0, resampled_prompts=0, version=0)
+    assert DrawAhead(1).check(5, drawn, 1) == 1
+    with pytest.raises(StaleSampleError, match=r"step 5: samples of policy version 0 would be trained by version 2, "
+                                               r"2 versions newer \(grpo.max_staleness=1\)"):
+        DrawAhead(1).check(5, drawn, 2)
+
+
+def test_importance_correction_weighs_the_trainers_batch(tmp_path):
+    """w = pi_old / pi_engine per response token (the fake trainer's recomputation is the engines'
+    log-probs - 0.01, plus 0.5 on every other position of the mis run): tis hands the trainer
+    min(w, C) and keeps every token; mis rejects the tokens with w > C from the loss mask and weighs
+    the others by w; none adds nothing. The metrics report the ratios."""
+    import math
+
+    workers = FakeWorkers()
+    _run(_cfg(tmp_path / "tis", "grpo.num_steps=2", "grpo.importance_correction=tis"), workers)
+    for batch in workers.trainer_.batches:
+        torch.testing.assert_close(batch.is_weights, math.exp(-0.01) * batch.mask)
+        assert batch.mask.sum() > 0
+    m = _metrics(tmp_path / "tis")
+    assert m[1]["train/is_ratio_mean"] == pytest.approx(math.exp(-0.01))
+    assert m[1]["train/is_truncated_frac"] == 0.0
+    workers = FakeWorkers()
+    workers.trainer_shift = lambda mask: 0.5 * mask * (torch.arange(mask.shape[1]) % 2)
+    _run(_cfg(tmp_path / "mis", "grpo.num_steps=1", "grpo.importance_correction=mis", "grpo.importance_cap=1.5"),
+         workers)
+    (batch,) = workers.trainer_.batches
+    response = batch.rollout_logprobs != 0  # (the fake engines' log-probs are -0.25 on every response token)
+    odd = (torch.arange(batch.seq_len) % 2 == 1).expand_as(response)
+    assert torch.equal(batch.mask.bool(), response & ~odd)  # w = e^0.49 > 1.5 rejected, e^-0.01 kept
+    torch.testing.assert_close(batch.is_weights, math.exp(-0.01) * batch.mask)
+    frac = _metrics(tmp_path / "mis")[1]["train/is_truncated_frac"]
+    assert frac == pytest.approx((response & odd).sum().item() / response.sum().item())
+    workers = FakeWorkers()
+    _run(_cfg(tmp_path / "none", "grpo.num_steps=1"), workers)
+    assert workers.trainer_.batches[0].is_weights is None
+    assert "train/is_ratio_mean" not in _metrics(tmp_path / "none")[1]
+
+
+def test_staleness_and_its_correction_are_validated(tmp_path):
+    from cotrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"grpo.max_staleness(.|\n)*rollout.colocate=true"):
+        _cfg(tmp_path, *COLOCATED, "grpo.max_staleness=1")
+    with pytest.raises(ConfigError, match=r"grpo.importance_cap(.|\n)*acts only with grpo.importance_correction"):
+        _cfg(tmp_path, "grpo.importance_cap=3")

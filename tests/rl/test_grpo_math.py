@@ -171,3 +171,68 @@ def test_kl_penalty_is_clamped_at_kl_clamp_but_the_metric_is_not():
     # the log-ratio clamp applies to k3's log ratio too: d = 25 -> 20
     assert k3_kl(torch.tensor([-25.0]), torch.tensor([0.0]), log_ratio_clamp=20.0).item() == \
         pytest.approx(math.exp(20.0) - 21.0, rel=1e-6)
+
+
+# ------------------------------------------------------------------ off-policy correction (TIS / MIS)
+def _is_case():
+    """Two sequences, three positions each; the last position of row 1 is padding (mask 0). The
+    trainer's log-probs (old) against the engines' (behaviour): ratios w = e^(old - behaviour)."""
+    old = torch.tensor([[-1.0, -0.5, -2.0], [-0.2, -3.0, 0.0]])
+    behaviour = torch.tensor([[-1.0, -1.5, -1.0], [-0.7, -2.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    return old, behaviour, mask
+
+
+def test_truncated_importance_weights_hand_computed():
+    from cotrain.rl.grpo import importance_weights
+
+    old, behaviour, mask = _is_case()
+    w, keep, stats = importance_weights(old, behaviour, mask, "tis", cap=2.0)
+    e = math.e
+    # ratios: 1, e^1 = 2.718 (> 2: truncated), e^-1, e^0.5 = 1.649, e^-1; padding weighs 0
+    expected = torch.tensor([[1.0, 2.0, 1 / e], [e ** 0.5, 1 / e, 0.0]])
+    torch.testing.assert_close(w, expected)
+    assert torch.equal(keep, mask)  # tis keeps every token
+    assert stats["train/is_ratio_mean"] == pytest.approx((1 + e + 1 / e + e ** 0.5 + 1 / e) / 5)
+    assert stats["train/is_ratio_max"] == pytest.approx(e)
+    assert stats["train/is_truncated_frac"] == pytest.approx(1 / 5)
+
+
+def test_masked_importance_weights_reject_tokens_above_the_cap_hand_computed():
+    from cotrain.rl.grpo import importance_weights
+
+    old, behaviour, mask = _is_case()
+    w, keep, stats = importance_weights(old, behaviour, mask, "mis", cap=1.5)
+    e = math.e
+    # w > 1.5: e (row 0) and e^0.5 (row 1) are rejected; the others keep their ratio
+    torch.testing.assert_close(keep, torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]]))
+    torch.testing.assert_close(w, torch.tensor([[1.0, 0.0, 1 / e], [0.0, 1 / e, 0.0]]))
+    assert stats["train/is_truncated_frac"] == pytest.approx(2 / 5)
+    with pytest.raises(ValueError, match="grpo.importance_correction"):
+        importance_weights(old, behaviour, mask, "none", cap=2.0)
+
+
+def test_is_weights_scale_the_policy_gradient_term_only_hand_computed():
+    """l_t = -w_t * min(rho A, clip(rho) A) + beta k3_t, and the loss's gradient is w_t times the
+    uncorrected one's policy-gradient part; with MIS's mask the rejected token leaves the token mean's
+    denominator too."""
+    from cotrain.rl.grpo import importance_weights
+
+    old, behaviour, mask = _is_case()
+    logp = (old + torch.tensor([[0.1, -0.05, 0.0], [0.02, 0.3, 0.0]])).requires_grad_()
+    ref = old - 0.1
+    adv = torch.tensor([[1.0] * 3, [-0.5] * 3])
+    w, keep, _ = importance_weights(old, behaviour, mask, "mis", cap=1.5)
+    loss, _ = grpo_token_losses(logp, old, adv, 0.2, 0.2, ref_logp=ref, kl_coef=0.1, clip_ratio_c=None,
+                                is_weights=w)
+    plain, _ = grpo_token_losses(logp, old, adv, 0.2, 0.2, ref_logp=ref, kl_coef=0.1, clip_ratio_c=None)
+    kl = k3_kl(logp, ref)
+    # by hand: the surrogate (ratio within the clip range here except none), weighted, plus the KL
+    rho = torch.exp(logp - old)
+    surrogate = torch.minimum(rho * adv, rho.clamp(0.8, 1.2) * adv)
+    torch.testing.assert_close(loss, -w * surrogate + 0.1 * kl)
+    torch.testing.assert_close(plain - 0.1 * kl, -surrogate)
+    total = aggregate(loss, keep, "token_mean")
+    assert total.item() == pytest.approx(((-w * surrogate + 0.1 * kl) * keep).sum().item() / 3)
+    (g,) = torch.autograd.grad(total, logp)
+    assert g[0, 1] == 0 and g[1, 0] == 0  # rejected tokens: no gradient at all (nor the KL's)
