@@ -33,13 +33,22 @@ BUDGET = 72
 ARMS = {"padded": ["policy.packing=false", "policy.micro_batch_size=4"],
         "packed": ["policy.packing=true", f"policy.max_tokens_per_microbatch={BUDGET}"],
         "chunked": ["policy.packing=true", f"policy.max_tokens_per_microbatch={BUDGET}", "policy.logprob_chunk_tokens=8"]}
+# the off-policy correction's per-token weights (grpo.importance_correction) ride on a padded and a packed DP=2 run
+ARMS.update(padded_is=ARMS["padded"], packed_is=ARMS["packed"])
 LAYOUTS = {"pp1": [], "pp2": ["policy.parallel.pipeline=2"], "cp2": ["policy.parallel.context=2"],
            "dp2": ["policy.parallel.data=2"], "tp2": ["policy.parallel.tensor=2"]}
 # chunked log-probs ride on the DP=2 run (two ranks, several micro batches each, chunks of 8 positions)
 # and the TP=2 one (chunks of the vocabulary-parallel logits)
 RUNS = [("padded", "pp1", "token_mean"), ("packed", "pp1", "token_mean"), ("packed", "pp2", "token_mean"),
         ("packed", "cp2", "token_mean"), ("chunked", "dp2", "token_mean"), ("chunked", "tp2", "token_mean"),
-        ("padded", "pp1", "seq_mean"), ("packed", "cp2", "seq_mean")]
+        ("padded", "pp1", "seq_mean"), ("packed", "cp2", "seq_mean"),
+        ("padded_is", "pp1", "token_mean"), ("packed_is", "dp2", "token_mean")]
+
+
+def is_weights(mask: torch.Tensor) -> torch.Tensor:
+    """Seeded per-token weights in [0, 2] on the response targets (as tis / mis hand them over)."""
+    w = 2 * torch.rand(mask.shape, generator=torch.Generator().manual_seed(1))
+    return w * mask
 
 
 def long_tail_batch(seed: int = 0):
@@ -75,6 +84,8 @@ def runs(tiny_model_path):
                 res = group.logprobs(batch, draft_step=1)
                 batch.old_logprobs = perturbed_old_logprobs(res.logprobs, batch.mask)
                 batch.ref_logprobs = res.ref_logprobs
+                if arm.endswith("_is"):
+                    batch.is_weights = is_weights(batch.mask)
                 out[(arm, layout, agg)] = dict(lp=res.logprobs, ref=res.ref_logprobs, draft=res.draft_metrics,
                                                metrics=group.train_step(batch), weights=group.named_weights(),
                                                draft_weights=group.named_weights("draft"))
@@ -95,9 +106,9 @@ def test_the_batch_has_a_long_tail_and_the_budget_cuts_it():
     assert min(counts) >= 1 and sum(counts) >= 3
 
 
-@pytest.mark.parametrize("arm, layout, agg", [r for r in RUNS if r[0] != "padded"])
+@pytest.mark.parametrize("arm, layout, agg", [r for r in RUNS if not r[0].startswith("padded")])
 def test_packed_takes_the_padded_step(runs, arm, layout, agg):
-    base, other = runs[("padded", "pp1", agg)], runs[(arm, layout, agg)]
+    base, other = runs[("padded_is" if arm.endswith("_is") else "padded", "pp1", agg)], runs[(arm, layout, agg)]
     torch.testing.assert_close(other["lp"], base["lp"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(other["ref"], base["ref"], atol=1e-5, rtol=1e-5)
     for k in ("loss", "grad_norm", "clip_frac", "kl_ref"):
@@ -122,3 +133,20 @@ def test_the_step_moved_the_policy_and_the_drafter(runs, tiny_model_path):
     assert max((base["weights"][n] - init[n]).abs().max().item() for n in init) > 1e-4
     assert base["draft"]["draft/grad_norm"] > 0 and base["metrics"]["kl_ref"] == pytest.approx(0.0, abs=1e-12)
     assert 0 < base["metrics"]["clip_frac"] < 1
+
+
+def test_the_importance_weights_scale_each_tokens_policy_gradient_term(runs):
+    """The weighted step's loss is the hand-assembled one: the token mean of w_t times the clipped
+    surrogate plus the KL penalty, from the policy's own log-probs before the step (cotrain.rl.grpo's
+    functions, which tests/rl/test_grpo_math.py checks by hand) - and the weights moved the step."""
+    from cotrain.rl.grpo import aggregate, grpo_token_losses
+
+    batch = long_tail_batch()
+    weighted, plain = runs[("padded_is", "pp1", "token_mean")], runs[("padded", "pp1", "token_mean")]
+    old = perturbed_old_logprobs(weighted["lp"], batch.mask)
+    adv = batch.advantages[:, None].expand_as(old)
+    tok, _ = grpo_token_losses(weighted["lp"], old, adv, 0.2, 0.2, ref_logp=weighted["ref"], kl_coef=0.05,
+                               is_weights=is_weights(batch.mask))
+    assert weighted["metrics"]["loss"] == pytest.approx(aggregate(tok, batch.mask, "token_mean").item(), rel=1e-5)
+    assert weighted["metrics"]["loss"] != pytest.approx(plain["metrics"]["loss"], rel=1e-3)
+    assert max((weighted["weights"][n] - plain["weights"][n]).abs().max().item() for n in plain["weights"]) > 1e-6
