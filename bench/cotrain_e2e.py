@@ -13,6 +13,9 @@ Arms (every arm a complete GRPO run of the same config, seeds and prompts; all a
     suffix           model-free peer: vLLM's suffix decoding, its global tree fed by the run's own
                      earlier responses (the engine lives for the whole run; needs arctic-inference)
     ngram            model-free peer: prompt lookup (n-gram matches in the request's own tokens)
+    <arm>_async<k>   plain and every co-trained arm again with grpo.max_staleness = k (``--staleness
+                     0,1``): asynchronous GRPO, the next steps' rollouts drawn while this one updates
+                     (``--async-correction``: its grpo.importance_correction)
 
 for each drafter family asked for (``--kinds dflash,eagle3``) and each peer (``--peers``; ``auto`` =
 suffix where arctic-inference is installed, else ngram; every model-free arm drafts at most ``--k``
@@ -50,7 +53,17 @@ seconds per phase of every arm.
                                                          # co-training objectives side by side
     python bench/cotrain_e2e.py --compare-frozen ...      # + each co-trained arm's frozen copy scored on
                                                          # the arm's own chains (draft.compare_frozen)
+    python bench/cotrain_e2e.py --staleness 0,1 --kinds dflash --peers none   # synchronous vs asynchronous
     python bench/cotrain_e2e.py --quick                  # smoke test: the tiny model, 2 steps, DFlash, n-gram
+
+Asynchronous arms (``summary["async"]``, and ``<out>_async.png``): per pair (sync arm, its async twin)
+the step time over the steady steps (after the warm-up, before the last: there both arms draw one
+step's rollouts and take one update per step; the async arm's first step draws two, its last none),
+per-step ratios sync / async as median [min, max], the whole run's totals, and the overlap achieved:
+hidden = (rollout + update + push - step) / min(rollout, update) - 0 when the phases ran one after
+the other, 1 when the shorter phase was entirely hidden behind the longer - with the engines' and
+the trainers' idle fractions (1 - rollout / step, 1 - (update + push) / step), reward and KL against
+the plain arms' seed band, and the acceptance of the co-trained drafter with and without staleness.
 """
 
 from __future__ import annotations
@@ -68,6 +81,7 @@ sys.path.insert(0, str(ROOT))
 PHASES = ("time/rollout", "time/update", "time/draft", "time/weight_push")
 DISTILL = {"bench_small": {"dflash": "configs/distill_small_dflash.yaml", "eagle3": "configs/distill_small_eagle3.yaml"},
            "grpo": {"dflash": "configs/distill_dflash.yaml", "eagle3": "configs/distill_eagle3.yaml"}}
+DISTILL["demo"] = DISTILL["grpo"]  # the demo's drafters are the tiny model's
 EAGLE3 = ["draft.eagle3.tap_layers=null", "draft.eagle3.ttt_steps=4"]  # as distilled (default taps)
 
 
@@ -367,6 +381,10 @@ def run(args) -> dict:
     peers = resolve_peers(args.peers)
     for peer in peers:
         specs[peer] = (None, peer, 0, None)
+    staleness = resolve_staleness(args.staleness)
+    for k in staleness:  # the async twin of plain and of every co-trained arm
+        for name in [n for n, sp in specs.items() if n == "plain" or sp[1] == "cotrained"]:
+            specs[async_arm(name, k)] = specs[name]
     out_root = Path(args.out).with_suffix("")
     runs: dict[str, GrpoRun] = {}
     last: dict[str, list] = {}  # the samples of each arm's latest rollout
@@ -376,6 +394,9 @@ def run(args) -> dict:
             ov = common + arm_overrides(base, kind, mode, args.k, args.schedule if kind else None, b or "teacher_forced",
                                         args.compare_frozen)
             ov += [f"run.seed={seed}", f"run.output_dir={out_root / name}", f"run.name={name}"]
+            if "_async" in name:
+                ov += [f"grpo.max_staleness={name.rsplit('_async', 1)[1]}",
+                       f"grpo.importance_correction={args.async_correction}"]
             cfg = load_config(args.config, ov)
             print(f"[setup] {name}", flush=True)
             runs[name] = GrpoRun(cfg)
@@ -410,7 +431,116 @@ def run(args) -> dict:
     return _result(args, kinds, peers, metrics, args.steps)
 
 
+def resolve_staleness(spec: str) -> list[int]:
+    """``--staleness``: the grpo.max_staleness values to run; 0 (the synchronous arms) is always run."""
+    try:
+        values = sorted({int(v) for v in spec.split(",") if v != ""})
+    except ValueError:
+        raise SystemExit(f"--staleness: {spec!r} is not a list of integers >= 0 (e.g. 0,1)") from None
+    if not values or values[0] < 0:
+        raise SystemExit(f"--staleness: {spec!r} (allowed: integers >= 0, e.g. 0,1)")
+    return [v for v in values if v > 0]
+
+
+def async_arm(name: str, k: int) -> str:
+    return f"{name}_async{k}"
+
+
+def summarize_async(arms: dict[str, list[dict]], warmup: int = 1) -> dict:
+    """Each asynchronous arm against its synchronous twin (the module doc's "Asynchronous arms")."""
+    out = {}
+    band = [statistics.mean(m["reward/mean"] for m in arms[n]) for n in ("plain", "plain_seed1") if n in arms]
+    for name in [n for n in arms if "_async" in n]:
+        sync, ms = arms[name.rsplit("_async", 1)[0]], arms[name]
+        steady = slice(warmup, len(ms) - 1) if len(ms) > warmup + 1 else slice(0, len(ms))
+
+        def med(v):
+            return {"median": statistics.median(v), "min": min(v), "max": max(v)} if v else {}
+
+        def phases(m):
+            r, u, w = m.get("time/rollout", 0.0), m.get("time/update", 0.0), m.get("time/weight_push", 0.0)
+            return r, u, w, m["time/step"]
+
+        hidden, engine_idle, trainer_idle = [], [], []
+        for m in ms[steady]:
+            r, u, w, t = phases(m)
+            hidden.append((r + u + w - t) / min(r, u) if min(r, u) > 0 else 0.0)
+            engine_idle.append(1 - r / t)
+            trainer_idle.append(1 - (u + w) / t)
+        sync_hidden = [(r + u + w - t) / min(r, u) for r, u, w, t in map(phases, sync[steady]) if min(r, u) > 0]
+        acc = [m["spec/acceptance_length"] for m in ms if "spec/acceptance_length" in m]
+        acc_sync = [m["spec/acceptance_length"] for m in sync if "spec/acceptance_length" in m]
+        out[name] = {
+            "staleness": int(name.rsplit("_async", 1)[1]),
+            "steady_steps": [steady.start + 1, steady.stop],
+            "step_s": med([m["time/step"] for m in ms[steady]]),
+            "sync_step_s": med([m["time/step"] for m in sync[steady]]),
+            "per_step_speedup": med([a["time/step"] / b["time/step"] for a, b in zip(sync[steady], ms[steady])]),
+            "run_speedup": sum(m["time/step"] for m in sync) / sum(m["time/step"] for m in ms),
+            "hidden_fraction": med(hidden), "sync_hidden_fraction": med(sync_hidden),
+            "engine_idle": med(engine_idle), "trainer_idle": med(trainer_idle),
+            "sync_engine_idle": med([1 - m["time/rollout"] / m["time/step"] for m in sync[steady]]),
+            "sync_trainer_idle": med([1 - (m["time/update"] + m.get("time/weight_push", 0.0)) / m["time/step"]
+                                      for m in sync[steady]]),
+            "policy_lag": med([m.get("async/policy_lag", 0.0) for m in ms]),
+            "reward_mean": statistics.mean(m["reward/mean"] for m in ms),
+            "reward_band": [min(band), max(band)] if band else [],
+            "kl_ref_last": ms[-1].get("kl/ref", float("nan")), "sync_kl_ref_last": sync[-1].get("kl/ref", float("nan")),
+            "kl_train_infer": med([m["kl/train_infer"] for m in ms]),
+            "acceptance": statistics.mean(acc) if acc else float("nan"),
+            "sync_acceptance": statistics.mean(acc_sync) if acc_sync else float("nan"),
+            "per_step_acceptance_ratio": med([a["spec/acceptance_length"] / b["spec/acceptance_length"]
+                                              for a, b in zip(ms, sync) if "spec/acceptance_length" in a
+                                              and b.get("spec/acceptance_length")]),
+        }
+    return out
+
+
+def plot_async(result: dict, png: Path) -> None:
+    """Step time and idle fractions of every sync / async pair, and the co-trained acceptance per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms, s = result["arms"], result["summary"].get("async", {})
+    if not s:
+        return
+    fig, ax = plt.subplots(1, 3, figsize=(16, 4.2))
+    steps = range(1, result["steps"] + 1)
+    for j, name in enumerate(s):
+        twin = name.rsplit("_async", 1)[0]
+        ax[0].plot(steps, [m["time/step"] for m in arms[twin]], "-", color=f"C{j}", label=f"{twin} (sync)")
+        ax[0].plot(steps, [m["time/step"] for m in arms[name]], "--", color=f"C{j}", label=name)
+        if any("spec/acceptance_length" in m for m in arms[name]):
+            ax[2].plot(steps, [m.get("spec/acceptance_length", float("nan")) for m in arms[twin]], "-", color=f"C{j}",
+                       label=f"{twin} (sync)")
+            ax[2].plot(steps, [m.get("spec/acceptance_length", float("nan")) for m in arms[name]], "--",
+                       color=f"C{j}", label=name)
+    ax[0].set_title("seconds per step")
+    labels, vals = [], []
+    for name, a in s.items():
+        labels += [f"{name.rsplit('_async', 1)[0]}\nsync", f"{name}"]
+        vals += [(a["sync_engine_idle"]["median"], a["sync_trainer_idle"]["median"]),
+                 (a["engine_idle"]["median"], a["trainer_idle"]["median"])]
+    x = range(len(labels))
+    ax[1].bar([i - 0.2 for i in x], [v[0] for v in vals], 0.4, label="engines idle")
+    ax[1].bar([i + 0.2 for i in x], [v[1] for v in vals], 0.4, label="trainers idle")
+    ax[1].set_xticks(list(x), labels, fontsize=7)
+    ax[1].set_title("idle fraction of the step (median, steady steps)")
+    ax[2].set_title("vLLM acceptance length")
+    for a in ax:
+        a.legend(fontsize=7)
+    ax[0].set_xlabel("step")
+    ax[2].set_xlabel("step")
+    fig.suptitle(f"synchronous vs asynchronous GRPO: {result['config']} ({result['steps']} steps, arms interleaved)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
 KEEP = ("time/step", "time/start", "time/end", *PHASES, "time/draft_push", "tap/wait_s", "rollout/tokens_per_s", "reward/mean", "kl/ref",
+        "time/rollout_wait", "async/policy_lag", "train/is_ratio_mean", "train/is_truncated_frac",
         "kl/train_infer", "spec/acceptance_length", "draft/acceptance_offline", "draft/loss", "response/length",
         "spec/acceptance_short", "spec/acceptance_long", "spec/responses_short", "spec/responses_long",
         "draft/acceptance_offline_frozen", "draft/frozen_s")
@@ -425,6 +555,9 @@ def _result(args, kinds: list[str], peers: list[str], metrics: dict[str, list[di
               "machine": machine_info()}
     result["warmup"] = args.warmup
     result["summary"] = summarize(arms, kinds, tail=max(1, min(3, steps // 3)), peers=peers, warmup=args.warmup)
+    result["staleness"], result["async_correction"] = args.staleness, args.async_correction
+    if any("_async" in n for n in arms):
+        result["summary"]["async"] = summarize_async(arms, warmup=args.warmup)
     return result
 
 
@@ -461,6 +594,13 @@ def report(result: dict) -> str:
     for name, h in result["summary"].get("head_to_head", {}).items():
         lines.append(f"{name}: peer/co-trained rollout time early {h['rollout_ratio_early']:.2f}, late "
                      f"{h['rollout_ratio_late']:.2f} (range {h['rollout_ratio_range'][0]:.2f}-{h['rollout_ratio_range'][1]:.2f})")
+    for name, a in result["summary"].get("async", {}).items():
+        lines.append(f"{name}: step {a['step_s']['median']:.2f}s vs sync {a['sync_step_s']['median']:.2f}s, per step "
+                     f"{_rng(a['per_step_speedup'])}x, run {a['run_speedup']:.2f}x; hidden {_rng(a['hidden_fraction'])} "
+                     f"(sync {_rng(a['sync_hidden_fraction'])}); idle engines {a['engine_idle']['median']:.2f} "
+                     f"(sync {a['sync_engine_idle']['median']:.2f}), trainers {a['trainer_idle']['median']:.2f} "
+                     f"(sync {a['sync_trainer_idle']['median']:.2f}); acceptance {a['acceptance']:.2f} vs sync "
+                     f"{a['sync_acceptance']:.2f}; reward {a['reward_mean']:.3f} (plain band {a['reward_band']})")
     return "\n".join(lines)
 
 
@@ -555,6 +695,23 @@ def markdown(result: dict) -> str:
         out.append(f"| {name} | {med['time/step']:.2f} | {med['time/rollout']:.2f} | {med['time/update']:.2f} | "
                    f"{med['time/draft']:.2f} | {med['time/weight_push']:.2f} | {med['rollout/tokens_per_s']:.0f} | "
                    f"{statistics.mean(m['reward/mean'] for m in ms):.3f} | {ms[-1].get('kl/ref', float('nan')):.4f} |")
+    asy = S.get("async", {})
+    if asy:
+        out += _head(f"Synchronous vs asynchronous GRPO (grpo.max_staleness; correction "
+                     f"{result.get('async_correction', 'none')}): step time over the steady steps (median [min, max]), "
+                     "per-step speed-up sync / async, the whole run's, the shorter phase's hidden fraction "
+                     "(0 = one after the other, 1 = entirely hidden), idle fractions of engines and trainers, acceptance "
+                     "and reward (plain arms' seed band):",
+                     "arm", "step s (sync)", "speed-up per step", "run", "hidden (sync)", "engines idle (sync)",
+                     "trainers idle (sync)", "acceptance (sync)", "reward (band)", "kl/ref last (sync)")
+        for name, a in asy.items():
+            band = "-" if not a["reward_band"] else f"{a['reward_band'][0]:.3f}-{a['reward_band'][1]:.3f}"
+            acc = "-" if a["acceptance"] != a["acceptance"] else f"{a['acceptance']:.2f} ({a['sync_acceptance']:.2f})"
+            out.append(f"| {name} | {_rng(a['step_s'])} ({a['sync_step_s']['median']:.2f}) | {_rng(a['per_step_speedup'])} | "
+                       f"{a['run_speedup']:.2f}x | {_rng(a['hidden_fraction'])} ({a['sync_hidden_fraction']['median']:.2f}) | "
+                       f"{a['engine_idle']['median']:.2f} ({a['sync_engine_idle']['median']:.2f}) | "
+                       f"{a['trainer_idle']['median']:.2f} ({a['sync_trainer_idle']['median']:.2f}) | {acc} | "
+                       f"{a['reward_mean']:.3f} ({band}) | {a['kl_ref_last']:.4f} ({a['sync_kl_ref_last']:.4f}) |")
     h2h = S.get("head_to_head", {})
     if h2h:
         out += _head("Co-trained drafter vs model-free peer on the same steps (peer rollout time / co-trained rollout "
@@ -568,6 +725,10 @@ def markdown(result: dict) -> str:
                        f"{h['rollout_ratio_range'][0]:.2f}-{h['rollout_ratio_range'][1]:.2f} | {two(h['acceptance_early'])} | "
                        f"{two(h['acceptance_late'])} | {two(h['acceptance_short'])} | {two(h['acceptance_long'])} |")
     return "\n".join(out)
+
+
+def _async_png(out: Path) -> Path:
+    return out.with_name(out.stem + "_async.png")
 
 
 def main(argv=None) -> int:
@@ -588,6 +749,10 @@ def main(argv=None) -> int:
                     "trajectory; its forward is in the step's time)")
     ap.add_argument("--plain-seeds", type=int, choices=(1, 2), default=2, help="plain arms: 2 = seeds 0 and 1 "
                     "(the noise band of reward and KL), 1 = seed 0 only (one arm less in memory)")
+    ap.add_argument("--staleness", default="0", help="grpo.max_staleness values: 0 = the synchronous arms only; "
+                    "e.g. 0,1 adds an asynchronous twin of plain and of every co-trained arm")
+    ap.add_argument("--async-correction", default="tis", choices=("none", "tis", "mis"),
+                    help="grpo.importance_correction of the asynchronous arms")
     ap.add_argument("--out", default="bench/results/cotrain_e2e.json")
     ap.add_argument("--quick", action="store_true", help="smoke test: configs/grpo.yaml (tiny), 2 steps, DFlash, small batch")
     ap.add_argument("--report", metavar="JSON", help="print the summary of an earlier run and redraw its PNG")
@@ -601,8 +766,11 @@ def main(argv=None) -> int:
         result["warmup"] = args.warmup
         result["summary"] = summarize(result["arms"], result["kinds"], tail=max(1, min(3, result["steps"] // 3)),
                                       peers=result.get("peers", []), warmup=args.warmup)
+        if any("_async" in n for n in result["arms"]):
+            result["summary"]["async"] = summarize_async(result["arms"], warmup=args.warmup)
         Path(args.report).write_text(json.dumps(result, indent=1))
         plot(result, Path(args.report).with_suffix(".png"))
+        plot_async(result, _async_png(Path(args.report)))
         print(markdown(result) if args.markdown else report(result))
         return 0
     if args.quick:
@@ -616,6 +784,7 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(result, indent=1))
     out.with_suffix(".partial.json").unlink(missing_ok=True)
     plot(result, out.with_suffix(".png"))
+    plot_async(result, _async_png(out))
     print(report(result))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0

@@ -132,3 +132,72 @@ def test_arm_overrides_set_the_branch_source_of_the_cotrained_arm_only(bench, mo
     assert bench.cotrained_arm("dflash", "on_policy") == "cotrained_dflash_on_policy"
     assert bench.cotrained_arm("dflash", "teacher_forced") == "cotrained_dflash"
     assert not any(o.startswith("draft.branches") for o in bench.arm_overrides("bench_small", None, "plain", 4, None))
+
+
+# ------------------------------------------------------------------ asynchronous arms (--staleness)
+def fake_async_arms(steps: int, seed: int = 2) -> dict:
+    """plain, plain_seed1, cotrained_dflash and their async twins: the sync arms' steps are the sum
+    of their phases; the async arms' hide part of the shorter phase behind the longer."""
+    rng = random.Random(seed)
+    arms = {}
+    for name in ("plain", "plain_seed1", "cotrained_dflash", "plain_async1", "cotrained_dflash_async1"):
+        ms = []
+        for _ in range(steps):
+            r, u, w = rng.uniform(2, 4), rng.uniform(3, 6), 0.1
+            m = {"time/rollout": r, "time/update": u, "time/weight_push": w, "reward/mean": rng.random(),
+                 "kl/ref": rng.random() / 10, "kl/train_infer": rng.random() / 100, "tap/wait_s": 0.0}
+            m["time/step"] = r + u + w if "_async" not in name else max(r, u) + w + rng.uniform(0, min(r, u))
+            if "_async" in name:
+                m["async/policy_lag"] = 1.0
+            if name.startswith("cotrained"):
+                m["spec/acceptance_length"], m["time/draft"] = rng.uniform(2, 3), 0.3
+            ms.append(m)
+        arms[name] = ms
+    arms["plain_async1"][0]["async/policy_lag"] = 0.0
+    return arms
+
+
+def test_async_arms_are_summarised_against_their_synchronous_twins(bench, tmp_path):
+    steps, warmup = 7, 1
+    arms = fake_async_arms(steps)
+    S = bench.summarize_async(arms, warmup=warmup)
+    assert set(S) == {"plain_async1", "cotrained_dflash_async1"}
+
+    def med(v):
+        return {"median": statistics.median(v), "min": min(v), "max": max(v)}
+
+    for name, twin in (("plain_async1", "plain"), ("cotrained_dflash_async1", "cotrained_dflash")):
+        a, ms, sync = S[name], arms[name][warmup:steps - 1], arms[twin][warmup:steps - 1]  # the steady steps 2..6
+        assert a["steady_steps"] == [2, 6] and a["staleness"] == 1
+        assert a["per_step_speedup"] == pytest.approx(med([y["time/step"] / x["time/step"] for x, y in zip(ms, sync)]))
+        assert a["run_speedup"] == pytest.approx(sum(m["time/step"] for m in arms[twin]) /
+                                                 sum(m["time/step"] for m in arms[name]))
+        hidden = [(m["time/rollout"] + m["time/update"] + m["time/weight_push"] - m["time/step"]) /
+                  min(m["time/rollout"], m["time/update"]) for m in ms]
+        assert a["hidden_fraction"] == pytest.approx(med(hidden))
+        assert a["sync_hidden_fraction"]["median"] == pytest.approx(0.0, abs=1e-12)  # one after the other
+        assert a["engine_idle"] == pytest.approx(med([1 - m["time/rollout"] / m["time/step"] for m in ms]))
+        assert a["trainer_idle"] == pytest.approx(med([1 - (m["time/update"] + 0.1) / m["time/step"] for m in ms]))
+        seeds = [statistics.mean(m["reward/mean"] for m in arms[n]) for n in ("plain", "plain_seed1")]
+        assert a["reward_band"] == pytest.approx([min(seeds), max(seeds)])
+    c = S["cotrained_dflash_async1"]
+    acc = lambda n: statistics.mean(m["spec/acceptance_length"] for m in arms[n])  # noqa: E731
+    assert (c["acceptance"], c["sync_acceptance"]) == pytest.approx((acc("cotrained_dflash_async1"), acc("cotrained_dflash")))
+    assert S["plain_async1"]["acceptance"] != S["plain_async1"]["acceptance"]  # (nan: no speculation)
+    assert S["plain_async1"]["policy_lag"]["min"] == 0.0 and S["plain_async1"]["policy_lag"]["max"] == 1.0
+    result = {"config": "configs/demo.yaml", "steps": steps, "kinds": [], "peers": [], "k": 3, "warmup": warmup,
+              "arms": arms, "async_correction": "tis",
+              "summary": {"arms": {}, "async": S}}
+    md = bench.markdown(result)
+    assert f"| cotrained_dflash_async1 | {c['step_s']['median']:.2f} [" in md and "correction tis" in md
+    assert "plain_async1: step" in bench.report(result)
+    png = tmp_path / "e2e_async.png"
+    bench.plot_async(result, png)
+    assert png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("spec,fragment", [("0,x", "not a list of integers"), ("-1", "allowed: integers >= 0")])
+def test_staleness_option_refuses_what_is_not_a_staleness(bench, spec, fragment):
+    with pytest.raises(SystemExit, match=fragment):
+        bench.resolve_staleness(spec)
+    assert bench.resolve_staleness("0") == [] and bench.resolve_staleness("1,0,2") == [1, 2]
