@@ -32,6 +32,19 @@ microbatch; w bytes per policy element (2 bf16, 4 fp32); M microbatches per rank
 - Weight pushes per step: the policy's P x w, the drafter's own tensors x 4 (fp32).
 - DP gradient all-reduce per step (ring): 2 (n_dp - 1) / n_dp x (the rank's parameters) x 4.
 - Seconds = bytes / bandwidth of the link the transfer crosses (intra- or inter-node).
+
+Asynchronous GRPO (``--phases METRICS``: the medians of a synchronous run's rollout R, update U,
+weight push W and the rest O of the step, ``time/*`` in its metrics.jsonl, first step left out).
+Synchronously a step takes R + U + W + O. With grpo.max_staleness = k >= 1 the engines draw the
+next step while the trainers update, so in steady state (one draw and one update per step)
+
+    T_k = R + U + W + O - h min(R, U),   h = the hidden fraction of the shorter phase
+
+h = 1 where engines and trainers hold their own devices (rollout.colocate = false: T = max(R, U) +
+W + O); less where they share compute (on a CPU machine both compete for the same cores: measure
+h with bench/cotrain_e2e.py --staleness 0,1 and pass it with ``--hidden``). k > 1 adds no steady
+throughput - the engines still draw one step per step - it only absorbs steps whose rollout runs
+longer than the update. Idle fractions: engines 1 - R / T, trainers 1 - (U + W) / T.
 """
 
 from __future__ import annotations
@@ -289,6 +302,56 @@ def make_plan(cfg, arch: Arch, hw: Hardware, num_nodes: Optional[int] = None) ->
     return plan
 
 
+PHASE_KEYS = {"rollout": "time/rollout", "update": "time/update", "push": "time/weight_push", "step": "time/step"}
+
+
+def read_phases(metrics_jsonl: str | Path, skip: int = 1) -> dict[str, float]:
+    """Median seconds of a synchronous run's phases (the first ``skip`` steps left out: one-time
+    costs) from its metrics.jsonl; ``other`` = step - rollout - update - push (>= 0)."""
+    import statistics
+
+    rows = [json.loads(line) for line in Path(metrics_jsonl).read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "time/rollout" in r]
+    if any("async/policy_lag" in r for r in rows):
+        raise ValueError(f"{metrics_jsonl}: an asynchronous run (grpo.max_staleness > 0): its phases overlap; "
+                         "give a synchronous run's metrics")
+    rows = rows[skip:] if len(rows) > skip else rows
+    if not rows:
+        raise ValueError(f"{metrics_jsonl}: no step with time/rollout")
+    med = {name: statistics.median(r.get(key, 0.0) for r in rows) for name, key in PHASE_KEYS.items()}
+    if not any("time/step" in r for r in rows):  # (older runs): the phases alone
+        med["step"] = med["rollout"] + med["update"] + med["push"]
+    med["other"] = max(0.0, med.pop("step") - med["rollout"] - med["update"] - med["push"])
+    return med
+
+
+def async_steps(phases: dict[str, float], max_staleness: int = 2, hidden: float = 1.0) -> list[dict]:
+    """The module doc's model: per k = 0..max_staleness the predicted step seconds, the speed-up over
+    k = 0 and the idle fractions of engines and trainers."""
+    if not 0.0 <= hidden <= 1.0:
+        raise ValueError(f"--hidden: {hidden} (allowed: 0..1, the hidden fraction of the shorter phase)")
+    R, U, W, O = (phases[k] for k in ("rollout", "update", "push", "other"))
+    sync = R + U + W + O
+    out = []
+    for k in range(max_staleness + 1):
+        T = sync if k == 0 else sync - hidden * min(R, U)
+        out.append({"staleness": k, "step_s": T, "speedup": sync / T if T else float("nan"),
+                    "engine_idle": 1 - R / T if T else 0.0, "trainer_idle": 1 - (U + W) / T if T else 0.0})
+    return out
+
+
+def format_async(phases: dict[str, float], rows: list[dict], hidden: float) -> str:
+    lines = [f"asynchronous GRPO from measured phases (medians): rollout {phases['rollout']:.2f}s, update "
+             f"{phases['update']:.2f}s, push {phases['push']:.2f}s, other {phases['other']:.2f}s; hidden fraction "
+             f"of the shorter phase h = {hidden:g}",
+             "max_staleness  step s  speed-up  engines idle  trainers idle"]
+    for r in rows:
+        lines.append(f"{r['staleness']:>13} {r['step_s']:>7.2f} {r['speedup']:>8.2f}x {r['engine_idle']:>13.2f} "
+                     f"{r['trainer_idle']:>14.2f}")
+    lines.append("(k > 1: the same steady step; it only absorbs rollouts longer than the update)")
+    return "\n".join(lines)
+
+
 def format_plan(plan: Plan) -> str:
     L = plan.layout
     lines = [f"model: {plan.model_params / 1e6:,.1f} M parameters; layout TP={L['tp']} PP={L['pp']} CP={L['cp']} "
@@ -335,6 +398,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--num-nodes", type=int, help="nodes of the run (default: cluster.num_nodes, raised to the "
                     "fewest that hold the ranks and engines)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ap.add_argument("--phases", metavar="METRICS_JSONL", help="a synchronous run's metrics.jsonl: also predict the "
+                    "step of asynchronous GRPO (grpo.max_staleness) from its measured phase times")
+    ap.add_argument("--hidden", type=float, default=1.0, help="with --phases: the fraction of the shorter phase "
+                    "hidden behind the longer (1 = engines and trainers on their own devices; measure it on shared "
+                    "hardware with bench/cotrain_e2e.py --staleness 0,1)")
     ap.add_argument("overrides", nargs="*", metavar="key.path=value")
     args = ap.parse_args(argv)
     from cotrain.config import ConfigError, load_config
@@ -349,7 +417,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     hw = Hardware(args.gpus_per_node, args.gpu_mem_gib, args.intra_node_gbps, args.inter_node_gbps)
     plan = make_plan(cfg, load_arch(cfg.policy.model_path), hw, args.num_nodes)
-    print(json.dumps(asdict(plan), indent=1) if args.json else format_plan(plan))
+    if args.phases:
+        try:
+            phases = read_phases(args.phases)
+            rows = async_steps(phases, max(2, cfg.grpo.max_staleness), args.hidden)
+        except (OSError, ValueError) as e:
+            print(f"--phases: {e}", file=sys.stderr)
+            return 2
+    if args.json:
+        out = asdict(plan)
+        if args.phases:
+            out["async"] = {"phases": phases, "hidden": args.hidden, "steps": rows}
+        print(json.dumps(out, indent=1))
+    else:
+        print(format_plan(plan) + (("\n" + format_async(phases, rows, args.hidden)) if args.phases else ""))
     return 0
 
 

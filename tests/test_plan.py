@@ -104,3 +104,33 @@ def test_the_example_in_docs_multinode_is_what_the_command_prints():
     proc = subprocess.run([sys.executable, *cmd[1:]], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == expected, "regenerate the example in docs/multinode.md:\n" + proc.stdout
+
+
+def test_async_model_by_hand_and_from_a_runs_metrics(tmp_path):
+    """T_k = R + U + W + O - h min(R, U) for k >= 1 (max(R, U) + W + O at h = 1), read from the medians
+    of a synchronous run's metrics (first step left out); an asynchronous run's metrics are refused."""
+    from cotrain.plan import async_steps, read_phases
+
+    rows = [{"step": 1, "time/rollout": 9.0, "time/update": 9.0, "time/weight_push": 9.0, "time/step": 40.0}]
+    rows += [{"step": s, "time/rollout": r, "time/update": u, "time/weight_push": 0.5, "time/step": r + u + 0.5 + 0.2}
+             for s, (r, u) in enumerate([(3.0, 5.0), (4.0, 6.0), (2.0, 7.0)], start=2)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    ph = read_phases(path)
+    assert ph == pytest.approx({"rollout": 3.0, "update": 6.0, "push": 0.5, "other": 0.2})
+    k0, k1, k2 = async_steps(ph, max_staleness=2)
+    assert k0["step_s"] == pytest.approx(3 + 6 + 0.5 + 0.2) and k0["speedup"] == 1.0
+    assert k1["step_s"] == pytest.approx(6 + 0.5 + 0.2) == k2["step_s"]  # max(R, U) + W + O
+    assert k1["speedup"] == pytest.approx(9.7 / 6.7)
+    assert k1["engine_idle"] == pytest.approx(1 - 3 / 6.7) and k1["trainer_idle"] == pytest.approx(1 - 6.5 / 6.7)
+    half = async_steps(ph, 1, hidden=0.5)[1]
+    assert half["step_s"] == pytest.approx(9.7 - 0.5 * 3)
+    with pytest.raises(ValueError, match="--hidden"):
+        async_steps(ph, 1, hidden=1.5)
+    proc = subprocess.run([sys.executable, "-m", "cotrain.plan", "--config", "configs/demo.yaml", "--phases",
+                           str(path), "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["async"]["steps"][1]["step_s"] == pytest.approx(6.7)
+    path.write_text(json.dumps({**rows[1], "async/policy_lag": 1.0}) + "\n")
+    with pytest.raises(ValueError, match="asynchronous run"):
+        read_phases(path)
