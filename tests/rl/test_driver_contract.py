@@ -559,3 +559,31 @@ def test_staleness_and_its_correction_are_validated(tmp_path):
         _cfg(tmp_path, *COLOCATED, "grpo.max_staleness=1")
     with pytest.raises(ConfigError, match=r"grpo.importance_cap(.|\n)*acts only with grpo.importance_correction"):
         _cfg(tmp_path, "grpo.importance_cap=3")
+
+
+class DyingRollout(FakeRollout):
+    """Engines that die in their third generate call (the draw of step 3, made beside step 2's update)."""
+
+    def _generate(self, prompts, sampling, n):
+        if len(self.generated) == 2:
+            raise RuntimeError("engine 0 (node 127.0.0.1) died during generate")
+        return super()._generate(prompts, sampling, n)
+
+
+def test_an_engine_dying_in_a_draw_ahead_fails_the_step_with_its_name(tmp_path):
+    """The draw's error surfaces in the step it ran beside (step 2), before that step's push: the step
+    is neither logged nor checkpointed, and the background thread is gone."""
+    import threading
+
+    workers = FakeWorkers()
+    workers.rollout = lambda model_path, draft_model: setattr(workers, "rollout_", DyingRollout(workers.log)) \
+        or workers.rollout_
+    with pytest.raises(RuntimeError, match=r"engine 0 \(node 127.0.0.1\) died during generate"):
+        _run(_cfg(tmp_path, "grpo.max_staleness=1", "checkpoint.every=1"), workers)
+    assert [e[0] for e in workers.log].count("train_step") == 2  # step 2 updated; its push never came
+    assert [e[3] for e in workers.log if e[:2] == ("push", "policy")] == [1]
+    assert sorted(_metrics(tmp_path)) == [1]
+    assert (tmp_path / "checkpoints" / "step_000001").is_dir() and not (tmp_path / "checkpoints" / "step_000002").exists()
+    for t in [t for t in threading.enumerate() if t.name.startswith("cotrain-draw-ahead")]:
+        t.join(timeout=10)  # (shutdown asked it to stop; it is idle: the draw had failed)
+        assert not t.is_alive()
