@@ -6,7 +6,7 @@ Input. A run's ``run.output_dir`` (its checkpoints under ``checkpoints/``), a ``
 (``step_XXXXXX/`` folders and ``latest``) or one step folder. From a run or checkpoint folder the
 step ``latest`` names is exported, ``--step N`` picks ``step_N``. The step is verified against its
 ``MANIFEST.json`` first (every file's size and sha256: a damaged or missing file is named) and every
-file is read as data only (:func:`cotrain.rl.checkpoint.load_plain`; no Megatron, no process group).
+file is read as data only (:func:`cotrain.checkpoint.load_plain`; no Megatron, no process group).
 The run's resolved ``config.yaml`` beside the files gives the base model (``policy.model_path``,
 ``--model-path`` overrides it) and the drafter's settings.
 
@@ -56,7 +56,7 @@ from typing import Any, Optional
 
 import torch
 
-from cotrain.rl.checkpoint import COMPLETE, CheckpointError, CheckpointManager, load_plain, verify_checkpoint
+from cotrain.checkpoint import COMPLETE, CheckpointError, CheckpointManager, load_plain, verify_checkpoint
 
 EXPORT_FILE = "cotrain_export.json"
 CONFIG_FILE = "config.yaml"

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
 
     from cotrain.rl import driver
-    from cotrain.rl.checkpoint import CheckpointError
+    from cotrain.checkpoint import CheckpointError
     from cotrain.runfolder import RunFolderError
 
     try:

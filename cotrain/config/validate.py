@@ -856,21 +856,21 @@ def load_policy_tokenizer(model_path: str):
 def check_checkpoint(cfg: CotrainConfig) -> list[Issue]:
     """A checkpoint named by path must exist, be complete and match its manifest (file sizes; the
     run also checks the sha256 before loading). ``true`` is checked by the run, which falls back
-    past damaged checkpoints (cotrain.rl.checkpoint)."""
+    past damaged checkpoints (cotrain.checkpoint)."""
     issues: list[Issue] = []
     res = cfg.checkpoint.resume
     if isinstance(res, str) and not Path(res).exists():
         issues.append(("checkpoint.resume", f"{res!r} does not exist (allowed: true, false, or an existing "
                        "checkpoint directory)"))
     elif isinstance(res, str):
-        from cotrain.rl.checkpoint import unsafe_files, verify_checkpoint
+        from cotrain.checkpoint import unsafe_files, verify_checkpoint
 
         problems = verify_checkpoint(Path(res), hashes=False) or unsafe_files(Path(res))
         if problems:
             issues.append(("checkpoint.resume", f"{res!r} is not a usable checkpoint: {'; '.join(problems)} "
                            "(allowed: true = the newest usable one, or a complete, undamaged step directory)"))
     elif res is True and cfg.checkpoint.dir is not None:
-        from cotrain.rl.checkpoint import CheckpointManager, unsafe_files
+        from cotrain.checkpoint import CheckpointManager, unsafe_files
 
         newest = CheckpointManager(cfg.checkpoint.dir).latest()
         problems = unsafe_files(newest) if newest is not None else []
@@ -914,7 +914,7 @@ def resume_issues(cfg: CotrainConfig, step_dir: Path | None = None) -> list[Issu
     from cotrain.config.resume import diff_against
 
     if step_dir is None:
-        from cotrain.rl.checkpoint import CheckpointManager
+        from cotrain.checkpoint import CheckpointManager
 
         step_dir = CheckpointManager(cfg.checkpoint.dir).latest() if cfg.checkpoint.dir else None
     return diff_against(step_dir, cfg.to_dict())[1] if step_dir is not None else []

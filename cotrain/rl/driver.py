@@ -36,7 +36,7 @@ from cotrain.config import ConfigError
 from cotrain.config.resume import describe as describe_changes
 from cotrain.config.resume import diff_against
 from cotrain.rl.batch import TrainBatch, build_batch
-from cotrain.rl.checkpoint import CheckpointError, CheckpointManager, unsafe_files
+from cotrain.checkpoint import CheckpointError, CheckpointManager, unsafe_files
 from cotrain.rl.grpo import group_advantages, groups_with_signal, importance_weights, k3_kl, select_groups
 from cotrain.rl.inflight import DrawAhead, StepGroups
 from cotrain.rl.interfaces import GenerationResult, Sample, SamplingSpec, WorkerFactory

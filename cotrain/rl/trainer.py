@@ -702,7 +702,7 @@ class MegatronPolicyWorker:
                 "layer_offset": layer_offset(self.model.module)}
 
     def save_checkpoint(self, directory: str) -> None:
-        from cotrain.rl.checkpoint import atomic_torch_save
+        from cotrain.checkpoint import atomic_torch_save
 
         state = {"model": tensor_state(self.model.module), "optimizer": self.optimizer.state_dict(),
                  "steps_done": self.steps_done, "updates_done": self.updates_done,
@@ -712,7 +712,7 @@ class MegatronPolicyWorker:
         atomic_torch_save(state, Path(directory) / f"trainer_rank{self.rank:04d}.pt")
 
     def load_checkpoint(self, directory: str) -> None:
-        from cotrain.rl.checkpoint import load_plain
+        from cotrain.checkpoint import load_plain
 
         path = Path(directory) / f"trainer_rank{self.rank:04d}.pt"
         # tensors and plain containers only (a pickled object is refused, naming the file); read onto the

@@ -28,7 +28,7 @@ def test_staleness_one_on_the_real_workers(tmp_path, tiny_model_path):
     import ray
 
     from cotrain.config import load_config
-    from cotrain.rl.checkpoint import CheckpointManager
+    from cotrain.checkpoint import CheckpointManager
     from cotrain.rl.driver import GrpoRun
     from cotrain.rl.inflight import groups_from_state
 

@@ -32,7 +32,7 @@ from _trainer_utils import fake_rollout_batch, perturbed_old_logprobs
 
 from cotrain.config import load_config
 from cotrain.export import ExportError, export_checkpoint, export_run, find_step_dir, legacy_layout, main
-from cotrain.rl.checkpoint import CheckpointError, CheckpointManager, atomic_torch_save, load_plain, write_manifest
+from cotrain.checkpoint import CheckpointError, CheckpointManager, atomic_torch_save, load_plain, write_manifest
 
 BASE = ["policy.micro_batch_size=4", "grpo.prompts_per_step=4", "policy.reference_model=false",
         "rollout.speculative.method=null", "policy.optimizer.lr=1e-3"]

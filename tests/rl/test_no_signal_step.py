@@ -38,7 +38,7 @@ def test_a_step_without_signal_leaves_the_policy_and_its_optimizer_bit_identical
     import ray
 
     from cotrain.config import load_config
-    from cotrain.rl.checkpoint import load_plain
+    from cotrain.checkpoint import load_plain
     from cotrain.rl.driver import GrpoRun
     from cotrain.tasks.data import Problem, PromptStream
 

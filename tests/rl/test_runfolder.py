@@ -1,5 +1,5 @@
 """Nothing lost, nothing run from a file: one run per run folder (cotrain.runfolder), checkpoints that
-hold only data (cotrain.rl.checkpoint.load_plain), a resume that refuses another run's checkpoint or
+hold only data (cotrain.checkpoint.load_plain), a resume that refuses another run's checkpoint or
 a step count below it, and non-finite values refused in the config and caught in the loop.
 
 The driver runs on the in-process fakes of tests/rl/test_driver_contract.py (no Ray, Megatron or
@@ -19,7 +19,7 @@ import yaml
 from test_driver_contract import STEPS, FakeTrainer, FakeWorkers, _cfg, _metrics, _run
 
 from cotrain.config import ConfigError
-from cotrain.rl.checkpoint import CheckpointError, CheckpointManager, atomic_torch_save
+from cotrain.checkpoint import CheckpointError, CheckpointManager, atomic_torch_save
 from cotrain.rl.driver import NonFiniteError
 from cotrain.runfolder import RunFolderError, read_run_id
 
@@ -141,7 +141,7 @@ def test_a_checkpoint_holding_a_pickled_object_is_refused(tmp_path, monkeypatch)
     mark = tmp_path / "ran"
     monkeypatch.setenv("COTRAIN_TEST_MARK", str(mark))
     atomic_torch_save({"step": STEPS, "data": {}, "x": _Payload()}, d / "driver.pt")
-    from cotrain.rl.checkpoint import write_manifest
+    from cotrain.checkpoint import write_manifest
 
     write_manifest(d)  # the manifest recomputed: integrity holds, origin does not
     with pytest.raises(CheckpointError, match=f"{d / 'driver.pt'}: refused: it holds a pickled Python object"):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cotrain.rl.checkpoint import (CheckpointError, CheckpointManager, CheckpointWarning, atomic_torch_save,
+from cotrain.checkpoint import (CheckpointError, CheckpointManager, CheckpointWarning, atomic_torch_save,
                                    verify_checkpoint)
 
 RANKS = 2
@@ -109,7 +109,7 @@ def test_metrics_line_cut_mid_write_does_not_stop_resume(tmp_path):
     from cotrain.config import load_config
     from cotrain.rl.metrics import MetricsLogger, read_metrics
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     cfg = load_config(root / "configs" / "grpo.yaml", [f"run.output_dir={tmp_path}", "logging.tensorboard=false"])
     rows = [{"step": s, "reward/mean": s / 10} for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "reward/me')
@@ -124,7 +124,7 @@ def test_validation_refuses_a_damaged_checkpoint_named_by_path(two_checkpoints, 
     import importlib.util
 
     _, older, newest = two_checkpoints
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     spec = importlib.util.spec_from_file_location("launch_grpo_ckpt_test", root / "launch" / "grpo.py")
     launcher = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(launcher)
@@ -143,7 +143,7 @@ COMMIT_FILES = ["driver.pt", "MANIFEST.json", "COMPLETE", "latest"]
 
 def _failing_at(monkeypatch, name):
     """atomic_write_bytes that raises when it is about to write ``name`` (a crash between two files)."""
-    import cotrain.rl.checkpoint as ck
+    import cotrain.checkpoint as ck
 
     real = ck.atomic_write_bytes
 
@@ -193,7 +193,7 @@ def test_a_rank_failing_before_commit_leaves_no_usable_step(two_checkpoints):
 def test_completion_marker_is_written_last_over_verified_files(tmp_path, monkeypatch):
     """When COMPLETE appears, every file of the step is in place and matches the manifest; `latest`
     moves only after it."""
-    import cotrain.rl.checkpoint as ck
+    import cotrain.checkpoint as ck
 
     mgr = CheckpointManager(tmp_path / "ckpt")
     real, order = ck.atomic_write_bytes, []
