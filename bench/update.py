@@ -339,6 +339,7 @@ def real_rollout(cfg, model_path: str) -> dict:
     from cotrain.rl.grpo import group_advantages
     from cotrain.rl.interfaces import SamplingSpec
     from cotrain.rl.rollout import RolloutGroup
+    from cotrain.seeding import mix
 
     tok = AutoTokenizer.from_pretrained(model_path)
     problems = step1_problems(cfg, tok)
@@ -349,7 +350,7 @@ def real_rollout(cfg, model_path: str) -> dict:
         s = cfg.rollout.sampling
         # the driver's step-1 sampling (GrpoRun.sampling): its per-step seed
         sampling = SamplingSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
-                                seed=cfg.run.seed * 1_000_003 + 1)
+                                seed=mix(cfg.run.seed, 1))
         gen = engines.generate([p.prompt for p in problems], sampling, n=cfg.grpo.group_size)
     finally:
         engines.shutdown()

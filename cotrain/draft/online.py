@@ -77,6 +77,7 @@ from cotrain.draft.optim import apply_config, clip_, lr_at, make_optimizer, set_
 from cotrain.draft.registry import Drafter
 from cotrain.draft.vocab import DraftVocab, token_counts
 from cotrain.parallel.layout import spans
+from cotrain.seeding import mix
 
 
 @dataclass
@@ -219,7 +220,7 @@ def _frozen_copy(drafter: Drafter) -> Drafter:
 
 def anchor_seed(seed: int, step: int, seq_id: int) -> int:
     """The seed of one row's anchor draw (a fixed mix of the run seed, the step and the row)."""
-    return ((int(seed) * 1_000_003 + int(step)) * 1_000_033 + int(seq_id)) % (2**63 - 1)
+    return mix(mix(seed, step), seq_id, 1_000_033) % (2**63 - 1)
 
 
 def branch_seed(seed: int, step: int, seq_id: int, position: int) -> int:

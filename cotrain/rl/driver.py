@@ -41,6 +41,7 @@ from cotrain.rl.grpo import group_advantages, groups_with_signal, importance_wei
 from cotrain.rl.inflight import DrawAhead, StepGroups
 from cotrain.rl.interfaces import GenerationResult, Sample, SamplingSpec, WorkerFactory
 from cotrain.rl.metrics import MetricsLogger
+from cotrain.seeding import mix
 from cotrain.tasks.data import Problem, PromptStream
 from cotrain.tasks.rewards import exact_match_reward
 
@@ -255,7 +256,7 @@ class GrpoRun:
         # a per-step (and per-round: grpo.resample_rounds) seed makes every step's rollouts
         # reproducible, which is what resume relies on
         return SamplingSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
-                            seed=self.cfg.run.seed * 1_000_003 + step + round * 2**32)
+                            seed=mix(self.cfg.run.seed, step) + round * 2**32)
 
     def generate_groups(self, problems: list[Problem], sampling: SamplingSpec) -> GenerationResult:
         """grpo.group_size samples of each problem's response from the engines (one turn)."""

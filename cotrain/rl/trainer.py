@@ -35,6 +35,7 @@ from cotrain.rl.batch import TrainBatch
 from cotrain.rl.packing import PackedMicro, rank_micro_batches
 from cotrain.rl.grpo import aggregate, grpo_token_losses
 from cotrain.rl.sampling_filter import filter_active, keep_mask
+from cotrain.seeding import mix
 
 from megatron.core import parallel_state as ps  # noqa: E402  (after the compat layer)
 from megatron.core import tensor_parallel  # noqa: E402
@@ -412,7 +413,7 @@ class MegatronPolicyWorker:
         if len(batch) % gbs:
             raise ValueError(f"grpo.global_batch_size={gbs} does not divide the rollout batch of {len(batch)} sequences")
         n_mini = len(batch) // gbs
-        order = torch.Generator().manual_seed(self.cfg.run.seed * 1_000_003 + self.updates_done)
+        order = torch.Generator().manual_seed(mix(self.cfg.run.seed, self.updates_done))
         total_tokens = max(batch.mask.sum().item(), 1.0)
         sums: dict[str, float] = {}
         grad_norms = []

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from cotrain.seeding import mix
+
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
@@ -225,7 +227,7 @@ class PromptStream:
     def _permutation(self, epoch: int) -> list[int]:
         order = list(range(len(self.problems)))
         if self.shuffle:
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            random.Random(mix(self.seed, epoch)).shuffle(order)
         return order
 
     def take(self, n: int) -> list[Problem]:
