@@ -59,11 +59,13 @@ seconds per phase of every arm.
 Asynchronous arms (``summary["async"]``, and ``<out>_async.png``): per pair (sync arm, its async twin)
 the step time over the steady steps (after the warm-up, before the last: there both arms draw one
 step's rollouts and take one update per step; the async arm's first step draws two, its last none),
-per-step ratios sync / async as median [min, max], the whole run's totals, and the overlap achieved:
-hidden = (rollout + update + push - step) / min(rollout, update) - 0 when the phases ran one after
-the other, 1 when the shorter phase was entirely hidden behind the longer - with the engines' and
-the trainers' idle fractions (1 - rollout / step, 1 - (update + push) / step), reward and KL against
-the plain arms' seed band, and the acceptance of the co-trained drafter with and without staleness.
+per-step ratios sync / async as median [min, max], the whole run's totals, and the overlap achieved,
+paired step by step: hidden h = (sync step - async step) / min(sync rollout, sync update) - 0 when
+nothing was gained, 1 when the shorter phase vanished from the step (the planner's ``--hidden``,
+``python -m cotrain.plan --phases``) - the slow-down of each phase when it runs beside the other
+(async / sync rollout and update seconds: on shared cores both slow down), the engines' and the
+trainers' idle fractions (1 - rollout / step, 1 - (update + push) / step), reward and KL against the
+plain arms' seed band, and the acceptance of the co-trained drafter with and without staleness.
 """
 
 from __future__ import annotations
@@ -187,7 +189,9 @@ def summarize(arms: dict[str, list[dict]], kinds: list[str], tail: int, peers: l
         return sum(a * w for a, w in v) / sum(w for _, w in v) if v and n else float("nan")
 
     per_arm = {}  # the same keys for every speculative arm: computed once, here
-    for arm in [a for a in arms if not a.startswith("plain")]:  # every speculative arm
+    # every synchronous speculative arm (an async arm's engine seconds overlap its update, and its last step
+    # draws nothing: it is summarised against its synchronous twin instead, summarize_async)
+    for arm in [a for a in arms if not a.startswith("plain") and "_async" not in a]:
         draft = tot(arm, "time/draft")
         per_arm[arm] = {
             "rollout_speedup": tot("plain", "time/rollout") / tot(arm, "time/rollout"),
@@ -461,13 +465,16 @@ def summarize_async(arms: dict[str, list[dict]], warmup: int = 1) -> dict:
             r, u, w = m.get("time/rollout", 0.0), m.get("time/update", 0.0), m.get("time/weight_push", 0.0)
             return r, u, w, m["time/step"]
 
-        hidden, engine_idle, trainer_idle = [], [], []
-        for m in ms[steady]:
+        hidden, engine_idle, trainer_idle, slow_r, slow_u = [], [], [], [], []
+        for m, ms_ in zip(ms[steady], sync[steady]):
             r, u, w, t = phases(m)
-            hidden.append((r + u + w - t) / min(r, u) if min(r, u) > 0 else 0.0)
+            r0, u0, _, t0 = phases(ms_)
+            if min(r0, u0) > 0:
+                hidden.append((t0 - t) / min(r0, u0))
+                slow_r.append(r / r0)
+                slow_u.append(u / u0)
             engine_idle.append(1 - r / t)
             trainer_idle.append(1 - (u + w) / t)
-        sync_hidden = [(r + u + w - t) / min(r, u) for r, u, w, t in map(phases, sync[steady]) if min(r, u) > 0]
         acc = [m["spec/acceptance_length"] for m in ms if "spec/acceptance_length" in m]
         acc_sync = [m["spec/acceptance_length"] for m in sync if "spec/acceptance_length" in m]
         out[name] = {
@@ -477,7 +484,7 @@ def summarize_async(arms: dict[str, list[dict]], warmup: int = 1) -> dict:
             "sync_step_s": med([m["time/step"] for m in sync[steady]]),
             "per_step_speedup": med([a["time/step"] / b["time/step"] for a, b in zip(sync[steady], ms[steady])]),
             "run_speedup": sum(m["time/step"] for m in sync) / sum(m["time/step"] for m in ms),
-            "hidden_fraction": med(hidden), "sync_hidden_fraction": med(sync_hidden),
+            "hidden_fraction": med(hidden), "rollout_slowdown": med(slow_r), "update_slowdown": med(slow_u),
             "engine_idle": med(engine_idle), "trainer_idle": med(trainer_idle),
             "sync_engine_idle": med([1 - m["time/rollout"] / m["time/step"] for m in sync[steady]]),
             "sync_trainer_idle": med([1 - (m["time/update"] + m.get("time/weight_push", 0.0)) / m["time/step"]
@@ -597,7 +604,8 @@ def report(result: dict) -> str:
     for name, a in result["summary"].get("async", {}).items():
         lines.append(f"{name}: step {a['step_s']['median']:.2f}s vs sync {a['sync_step_s']['median']:.2f}s, per step "
                      f"{_rng(a['per_step_speedup'])}x, run {a['run_speedup']:.2f}x; hidden {_rng(a['hidden_fraction'])} "
-                     f"(sync {_rng(a['sync_hidden_fraction'])}); idle engines {a['engine_idle']['median']:.2f} "
+                     f"(rollout x{a['rollout_slowdown']['median']:.2f}, update x{a['update_slowdown']['median']:.2f} "
+                     f"beside each other); idle engines {a['engine_idle']['median']:.2f} "
                      f"(sync {a['sync_engine_idle']['median']:.2f}), trainers {a['trainer_idle']['median']:.2f} "
                      f"(sync {a['sync_trainer_idle']['median']:.2f}); acceptance {a['acceptance']:.2f} vs sync "
                      f"{a['sync_acceptance']:.2f}; reward {a['reward_mean']:.3f} (plain band {a['reward_band']})")
@@ -699,16 +707,19 @@ def markdown(result: dict) -> str:
     if asy:
         out += _head(f"Synchronous vs asynchronous GRPO (grpo.max_staleness; correction "
                      f"{result.get('async_correction', 'none')}): step time over the steady steps (median [min, max]), "
-                     "per-step speed-up sync / async, the whole run's, the shorter phase's hidden fraction "
-                     "(0 = one after the other, 1 = entirely hidden), idle fractions of engines and trainers, acceptance "
-                     "and reward (plain arms' seed band):",
-                     "arm", "step s (sync)", "speed-up per step", "run", "hidden (sync)", "engines idle (sync)",
+                     "per-step speed-up sync / async, the whole run's, the hidden fraction h of the shorter phase "
+                     "(paired per step: (sync step - async step) / min(sync rollout, sync update); 0 = no gain, 1 = the "
+                     "shorter phase gone), each phase's slow-down beside the other, idle fractions of engines and "
+                     "trainers, acceptance and reward (plain arms' seed band):",
+                     "arm", "step s (sync)", "speed-up per step", "run", "hidden h", "rollout / update slow-down",
+                     "engines idle (sync)",
                      "trainers idle (sync)", "acceptance (sync)", "reward (band)", "kl/ref last (sync)")
         for name, a in asy.items():
             band = "-" if not a["reward_band"] else f"{a['reward_band'][0]:.3f}-{a['reward_band'][1]:.3f}"
             acc = "-" if a["acceptance"] != a["acceptance"] else f"{a['acceptance']:.2f} ({a['sync_acceptance']:.2f})"
             out.append(f"| {name} | {_rng(a['step_s'])} ({a['sync_step_s']['median']:.2f}) | {_rng(a['per_step_speedup'])} | "
-                       f"{a['run_speedup']:.2f}x | {_rng(a['hidden_fraction'])} ({a['sync_hidden_fraction']['median']:.2f}) | "
+                       f"{a['run_speedup']:.2f}x | {_rng(a['hidden_fraction'])} | x{a['rollout_slowdown']['median']:.2f} / "
+                       f"x{a['update_slowdown']['median']:.2f} | "
                        f"{a['engine_idle']['median']:.2f} ({a['sync_engine_idle']['median']:.2f}) | "
                        f"{a['trainer_idle']['median']:.2f} ({a['sync_trainer_idle']['median']:.2f}) | {acc} | "
                        f"{a['reward_mean']:.3f} ({band}) | {a['kl_ref_last']:.4f} ({a['sync_kl_ref_last']:.4f}) |")
