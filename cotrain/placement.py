@@ -659,27 +659,66 @@ def wait_placed(actors: list, what: list[str], resources: list[dict], timeout_s:
         time.sleep(poll_s)
 
 
-def wait_refs(refs: list, what: str, placement: ClusterPlacement | None, poll_s: float = 1.0) -> list[Any]:
+def wait_refs(refs: list, what: str, placement: ClusterPlacement | None, poll_s: float = 1.0,
+              settle: bool = False) -> list[Any]:
     """``ray.get(refs)``, but with a placement: a dead node of the run raises :class:`NodeDiedError`
     within about ``poll_s`` (instead of whenever Ray notices), and so does a failed call whose cause
-    is a dead node."""
+    is a dead node. ``settle``: wait for every call to finish, then return each one's result or the
+    exception it raised (for calls that must all end before a failure is reported: a weight push);
+    a dead node still raises. The one dead-node-aware wait of the run's Ray calls (the trainer's
+    ranks use it with ``first_error``: :meth:`TrainerGroup._wait`)."""
     import ray
 
-    if placement is None:
-        return ray.get(refs)
     pending = list(refs)
-    while pending:
+    while pending and placement is not None:
         done, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_s)
-        for ref in done:
-            try:
-                ray.get(ref)
-            except Exception:
-                placement.check_after_failure(what)
-                raise
+        if not settle:
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except Exception:
+                    placement.check_after_failure(what)
+                    raise
         if pending:
             placement.check(what)
-    return ray.get(refs)
+    if not settle:
+        return ray.get(refs)
+    out = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref))
+        except Exception as e:  # noqa: BLE001 - returned to the caller, who reports it
+            out.append(e)
+    if placement is not None and any(isinstance(x, Exception) for x in out):
+        placement.check_after_failure(what)
+    return out
+
+
+def stop_actors(actors: list, skip: set[int] = frozenset(), timeout_s: float = 60.0) -> None:
+    """Ask every actor to ``shutdown()`` at once (SPMD ranks tear down together), wait at most
+    ``timeout_s`` for all, then kill every one; ``skip``: the indices of actors that will never
+    answer (on a dead node, or blocked in a collective with a dead rank), killed without asking.
+    Errors are swallowed: the point is that nothing is left behind."""
+    import ray
+
+    refs = []
+    for i, a in enumerate(actors):
+        if i not in skip:
+            try:
+                refs.append(a.shutdown.remote())
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+    if refs:
+        try:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - dead or hung: killed below either way
+            pass
+    for a in actors:
+        try:
+            ray.kill(a)
+        except Exception:  # noqa: BLE001 - its node is gone
+            pass
 
 
 __all__ = ["NodeLayout", "layout_issues", "node_layout", "colocated_plan", "ClusterPlacement", "NodeDiedError",
-           "wait_refs", "wait_placed", "current_node_id", "COLOCATED_ENGINE_GPU_SHARE"]
+           "wait_refs", "wait_placed", "stop_actors", "current_node_id", "COLOCATED_ENGINE_GPU_SHARE"]

@@ -195,12 +195,9 @@ def calibrate(cfg, batch_sizes: list[int], ks: list[int], max_tokens: int, round
                                 best_k=k_best, speedup=speedup, rounds=[x for k in meas for x in meas[k]]))
         bar.close()
     finally:
-        for a in engines.values():
-            try:
-                ray.get(a.shutdown.remote(), timeout=60)
-            except Exception:
-                pass
-            ray.kill(a)
+        from cotrain.placement import stop_actors
+
+        stop_actors(list(engines.values()))
     schedule = schedule_from_points(points, max_batch)
     return {"config": cfg.run.name, "method": spec_cfg.method, "num_speculative_tokens": K, "ks": ks,
             "max_tokens": max_tokens, "temperature": s.temperature, "rounds": rounds,

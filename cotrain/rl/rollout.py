@@ -423,25 +423,15 @@ class RolloutGroup(GenerationBackend):
 
     def push(self, kind: WeightKind, handle: dict, version: int | None = None) -> dict[str, Any]:
         """Every engine loads ``handle`` (or all refuse it: :class:`WeightPushError`); returns timings."""
-        import ray
+        from cotrain.placement import wait_refs
 
         version = int(handle.get("version", 0) if version is None else version)
         t0 = time.perf_counter()
-        refs = [a.push.remote(kind, handle, version) for a in self.actors]
-        if self.placement is not None:  # a dead node fails the push at once (its engines never answer)
-            pending = list(refs)
-            while pending:
-                _, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
-                if pending:
-                    self.placement.check(f"the {kind} weight push")
-        errors, stats = [], []
-        for ref in refs:  # collect all, so that no engine is left mid-push when one fails
-            try:
-                stats.append(ray.get(ref))
-            except Exception as e:
-                errors.append(e)
-        if errors and self.placement is not None:
-            self.placement.check_after_failure(f"the {kind} weight push")
+        # every engine's answer, so that none is left mid-push when one fails (a dead node fails it at once)
+        results = wait_refs([a.push.remote(kind, handle, version) for a in self.actors], f"the {kind} weight push",
+                            self.placement, settle=True)
+        errors = [r for r in results if isinstance(r, Exception)]
+        stats = [r for r in results if not isinstance(r, Exception)]
         if errors:
             raise WeightPushError(f"{len(errors)} of {self.num_engines} engines rejected the {kind} push of version "
                                   f"{version}: {_unwrap(errors[0])}")
@@ -485,21 +475,13 @@ class RolloutGroup(GenerationBackend):
         return self._get([a.status.remote() for a in self.actors], "the engine status query")
 
     def shutdown(self) -> None:
-        import ray
+        from cotrain.placement import stop_actors
 
         placement = getattr(self, "placement", None)
         dead = placement.dead_nodes(force=True) if placement is not None else {}
-        for e, a in enumerate(getattr(self, "actors", [])):
-            # an engine on a dead node never answers: do not wait for it
-            if not dead or placement.layout.engine_node[e] not in dead:
-                try:
-                    ray.get(a.shutdown.remote(), timeout=60)
-                except Exception:
-                    pass
-            try:
-                ray.kill(a)
-            except Exception:  # noqa: BLE001 - its node is gone
-                pass
+        actors = getattr(self, "actors", [])
+        # an engine on a dead node never answers: it is not waited for
+        stop_actors(actors, skip={e for e in range(len(actors)) if dead and placement.layout.engine_node[e] in dead})
         self.actors = []
 
 

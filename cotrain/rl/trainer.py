@@ -178,7 +178,7 @@ class MegatronPolicyWorker:
     def info(self) -> dict:
         return {"rank": self.rank, "dp_rank": ps.get_data_parallel_rank(), "dp_size": ps.get_data_parallel_world_size(),
                 "pp_rank": ps.get_pipeline_model_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
-                "holds_outputs": self._holds_outputs()}
+                "holds_outputs": self._holds_outputs(), "draft_holder": self._draft_holder()}
 
     def _holds_outputs(self) -> bool:
         return (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0

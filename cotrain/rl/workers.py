@@ -57,9 +57,23 @@ class TrainingWorker:
     def call(self, method: str, *args):
         return getattr(self.worker, method)(*args)
 
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+
 
 class TrainerRankDiedError(RuntimeError):
     """A training rank's actor died; the step cannot complete."""
+
+
+#: Which ranks answer each call that returns something (every rank takes part in every call; the
+#: others return None) - the one place that says it, checked on every call:
+#:   outputs       the last pipeline stage's TP-0, CP-0 rank of every DP rank (its rows / its parts)
+#:   metrics       the first of them (DP rank 0): the reduced metrics of the whole batch
+#:   rank0         global rank 0: the gathered policy / drafter, the weight-transport handle
+#:   draft_holder  the rank whose drafter replica is exported (last stage, TP / CP / DP rank 0)
+ANSWERS = {"logprobs": "outputs", "train_step": "metrics", "full_policy_state": "rank0",
+           "full_draft_state": "rank0", "export": "rank0", "export_draft_dir": "draft_holder"}
 
 
 class TrainerGroup(TrainingBackend):
@@ -87,6 +101,9 @@ class TrainerGroup(TrainingBackend):
         addr, port = ray.get(self.actors[0].rendezvous_address.remote())
         self.infos = self._wait([a.setup.remote(cfg, str(model_path), r, n, addr, port, draft_init)
                                  for r, a in enumerate(self.actors)], "setup")
+        outputs = sorted((i["dp_rank"], i["rank"]) for i in self.infos if i["holds_outputs"])
+        self.answering = {"outputs": [r for _, r in outputs], "metrics": [outputs[0][1]], "rank0": [0],
+                          "draft_holder": [i["rank"] for i in self.infos if i.get("draft_holder")]}
 
     def _wait(self, refs: list, what: str) -> list:
         """Results of one call per rank, in rank order. A rank whose actor dies fails the call at
@@ -121,13 +138,30 @@ class TrainerGroup(TrainingBackend):
         return ray.get(refs)
 
     def _all(self, method: str, *args) -> list:
+        """``method`` on every rank (a batch put in the object store once); every rank's result."""
         refs = [ray.put(a) if isinstance(a, TrainBatch) else a for a in args]
         return self._wait([actor.call.remote(method, *refs) for actor in self.actors], method)
+
+    def _answers(self, method: str, *args) -> list:
+        """``method`` on every rank; the results of the ranks :data:`ANSWERS` names (in their order),
+        after checking that exactly those answered."""
+        results = self._all(method, *args)
+        ranks = self.answering[ANSWERS[method]]
+        spoke = [r for r, x in enumerate(results) if x is not None]
+        if spoke != sorted(ranks):
+            raise RuntimeError(f"{method}: ranks {spoke} answered, but {ANSWERS[method]} is ranks {sorted(ranks)}")
+        return [results[r] for r in ranks]
+
+    def _answer(self, method: str, *args):
+        answers = self._answers(method, *args)
+        if len(answers) != 1:
+            raise RuntimeError(f"{method}: {len(answers)} ranks answer ({ANSWERS[method]}), one was expected")
+        return answers[0]
 
     def logprobs(self, batch: TrainBatch, draft_step: int | None = None, draft_updates: int = 1) -> PolicyLogprobs:
         """Policy (and reference) log-probs for the whole batch, [N, S] each, in batch order; with
         ``draft_step`` the co-trained drafter's step on the same forward (its metrics)."""
-        parts = sorted((r for r in self._all("logprobs", batch, draft_step, draft_updates) if r is not None), key=lambda r: r["dp_rank"])
+        parts = self._answers("logprobs", batch, draft_step, draft_updates)  # in DP-rank order
         lp = torch.zeros(len(batch), batch.seq_len)
         ref = torch.zeros(len(batch), batch.seq_len) if "ref_logprobs" in parts[0] else None
         for p in parts:  # each DP rank's rows (contiguous when padded, the packing plan's otherwise)
@@ -137,26 +171,20 @@ class TrainerGroup(TrainingBackend):
         return PolicyLogprobs(lp, ref, parts[0].get("draft_metrics"))
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        (metrics,) = [m for m in self._all("train_step", batch) if m is not None]
-        return metrics
+        return self._answer("train_step", batch)
 
     def named_weights(self, kind: str = "policy") -> dict[str, torch.Tensor]:
         if kind not in ("policy", "draft"):
             raise ValueError(f"kind: {kind!r} (allowed: policy, draft)")
-        (state,) = [s for s in self._all("full_policy_state" if kind == "policy" else "full_draft_state")
-                    if s is not None]
-        return state
+        return self._answer("full_policy_state" if kind == "policy" else "full_draft_state")
 
     def export(self, kind: str, version: int) -> dict:
         """Publish through ``rollout.weight_transport``; rank 0 holds the handle."""
-        (handle,) = [h for h in self._all("export", kind, version, self.cfg.rollout.weight_transport)
-                     if h is not None]
-        return handle
+        return self._answer("export", kind, version, self.cfg.rollout.weight_transport)
 
     def export_draft_dir(self, path: str) -> str:
         """Write the co-trained drafter's current weights as a vLLM drafter directory."""
-        (out,) = [p for p in self._all("export_draft_dir", str(path)) if p is not None]
-        return out
+        return self._answer("export_draft_dir", str(path))
 
     def connect(self, rollout) -> None:
         """The ``nccl`` weight transport: trainer rank 0 plus every engine worker of ``rollout`` (a
@@ -194,18 +222,10 @@ class TrainerGroup(TrainingBackend):
         if self.placement is not None:  # the ranks of a dead node never answer
             for node in self.placement.dead_nodes(force=True):
                 self.dead.extend(r for r in self.placement.layout.ranks_on(node) if r not in self.dead)
-        try:
-            # after a rank died the survivors may be stuck in a collective with it: do not wait for them
-            if not self.dead:
-                ray.get([a.call.remote("shutdown") for a in self.actors], timeout=60)
-        except Exception:
-            pass  # a dead or hung rank: the actors are killed below either way
-        finally:
-            for a in self.actors:
-                try:
-                    ray.kill(a)
-                except Exception:  # noqa: BLE001 - its node is gone
-                    pass
+        from cotrain.placement import stop_actors
+
+        # after a rank died the survivors may be stuck in a collective with it: none is waited for
+        stop_actors(self.actors, skip=set(range(len(self.actors))) if self.dead else set())
 
 
 def _cause(e: Exception) -> str:
