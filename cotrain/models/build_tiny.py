@@ -36,9 +36,9 @@ from typing import Callable, Optional
 
 import torch
 
-from cotrain.models.builtin import BuiltinModel, allowed, get_builtin, is_builtin
+from cotrain.models.builtin import BuiltinModel, allowed, get_builtin, is_builtin, tokenizer_for
 from cotrain.models.tiny import BUILTIN_MODEL_PATH, TINY_TASK  # noqa: F401  (BUILTIN_MODEL_PATH: re-exported)
-from cotrain.models.tokenizer import build_vocab, tokenizer_for
+from cotrain.models.tokenizer import build_vocab
 from cotrain.tasks.data import Problem, arithmetic_dataset, arithmetic_problem
 
 BUILD_VERSION = get_builtin("tiny").build_version  # the tiny model's (each built-in model has its own)

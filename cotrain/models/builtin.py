@@ -81,3 +81,17 @@ def get_builtin(model_path_or_name: str) -> BuiltinModel:
 
 def builtin_or_none(model_path: str) -> Optional[BuiltinModel]:
     return get_builtin(model_path) if is_builtin(model_path) else None
+
+
+def tokenizer_for(kind: str = "chars"):
+    """The tokenizer of a built-in model (its ``tokenizer`` field): ``chars``
+    (:mod:`cotrain.models.tokenizer`) or ``words`` (:mod:`cotrain.models.words`)."""
+    if kind == "words":
+        from cotrain.models.words import build_words_tokenizer
+
+        return build_words_tokenizer()
+    if kind != "chars":
+        raise ValueError(f"unknown built-in tokenizer {kind!r} (allowed: chars, words)")
+    from cotrain.models.tokenizer import build_tokenizer
+
+    return build_tokenizer()

@@ -47,14 +47,3 @@ def save_tokenizer(path: str | Path):
     tok.save_pretrained(str(path))
     return tok
 
-
-def tokenizer_for(kind: str = "chars"):
-    """The tokenizer of a built-in model (its ``tokenizer`` field): ``chars`` (this module) or
-    ``words`` (:mod:`cotrain.models.words`)."""
-    if kind == "words":
-        from cotrain.models.words import build_words_tokenizer
-
-        return build_words_tokenizer()
-    if kind != "chars":
-        raise ValueError(f"unknown built-in tokenizer {kind!r} (allowed: chars, words)")
-    return build_tokenizer()

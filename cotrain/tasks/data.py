@@ -17,20 +17,14 @@ from __future__ import annotations
 import json
 import random
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from cotrain.seeding import mix
+from cotrain.tasks.gcd import gcd_dataset, gcd_problem
+from cotrain.tasks.problem import Problem  # noqa: F401  (re-exported: the problem type of every task)
 
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
-
-
-@dataclass(frozen=True)
-class Problem:
-    prompt: str
-    answer: str
-    source: str = field(default="", compare=False, repr=False)  # "file:line" for JSONL problems
 
 
 def arithmetic_problem(rng: random.Random, max_digits: int = 3, ops: Sequence[str] = ("+",)) -> Problem:
@@ -157,8 +151,6 @@ def load_task(data, min_train: int = 1) -> tuple[list[Problem], list[Problem]]:
         evals = heldout_arithmetic(train, e.num_prompts, seed=a.seed + 7919, max_digits=a.digits, ops=a.ops)
         return train, evals
     if data.task == "gcd":
-        from cotrain.tasks.gcd import gcd_dataset, gcd_problem
-
         g = data.gcd
         params = dict(max_value=g.max_value, mean_steps=g.mean_steps, max_steps=g.max_steps)
         train = gcd_dataset(g.num_prompts, seed=g.seed, **params)

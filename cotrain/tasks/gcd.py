@@ -31,7 +31,7 @@ import random
 import re
 from typing import Optional
 
-from cotrain.tasks.data import Problem
+from cotrain.tasks.problem import Problem
 from cotrain.tasks.rewards import MARKER
 
 _PROMPT = re.compile(r"gcd\((\d+),(\d+)\)=")

@@ -21,7 +21,7 @@ def _random_target(tmp_path, name="small"):
     from cotrain.draft.taps import TargetSpec
     from cotrain.models.build_tiny import make_model
     from cotrain.models.builtin import get_builtin
-    from cotrain.models.tokenizer import tokenizer_for
+    from cotrain.models.builtin import tokenizer_for
 
     tok = tokenizer_for(get_builtin(name).tokenizer)
     make_model(tok, 0, name).save_pretrained(str(tmp_path / name))

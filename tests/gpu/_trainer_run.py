@@ -37,7 +37,7 @@ def write_model(path: Path) -> Path:
     """A random-weight checkpoint of the built-in tiny architecture with its tokenizer (seeded: the same
     weights on every machine that runs the same torch)."""
     from cotrain.models.build_tiny import _spec, make_model
-    from cotrain.models.tokenizer import tokenizer_for
+    from cotrain.models.builtin import tokenizer_for
 
     if (path / "config.json").exists():
         return path
