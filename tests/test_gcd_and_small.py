@@ -258,10 +258,11 @@ def test_builds_are_bit_identical_whatever_the_thread_count(tmp_path):
     """The same build with 1 and 2 torch threads outside it (one process, 1 then 2) and, where
     taskset exists, in a fresh process pinned to one core with 2 gives the same weights bit for
     bit, for both built-in models; the caller's thread count is restored. (Before the fix - torch's
-    default threads, one per core - the weights followed the thread count:
-    ``_build_in_subprocess(..., (1, 2), unfixed=True)`` gives two different reduced small models.
-    Not asserted here: whether a reduction order shows in the bits depends on the shapes and the
-    machine.)"""
+    default threads, one per core - the weights could follow the thread count: the full tiny model
+    did; ``_build_in_subprocess(..., (1, 2), unfixed=True)`` is that build at the reduced size. Not
+    asserted here: whether a reduction order shows in the bits depends on the shapes and the
+    machine - at these shapes on the 2-core development machine the unfixed builds, in one process
+    or two, gave the same bits.)"""
     from cotrain.models.builtin import get_builtin
 
     both = _build_in_subprocess(tmp_path, (1, 2))
