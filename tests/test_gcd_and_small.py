@@ -204,56 +204,69 @@ def test_distill_configs_target_builtin_small_and_the_drafter_cache_key_follows_
 _BUILD = r"""
 import dataclasses, hashlib, json, sys, torch
 from pathlib import Path
-torch.set_num_threads(int(sys.argv[1]))
 from cotrain.models.build_tiny import build
 from cotrain.models.builtin import get_builtin
 from safetensors.torch import load_file
+overrides = json.loads(sys.argv[2])
+eval_tokens = overrides.pop("eval_max_new_tokens")
 out = {}
-for name in ("tiny", "small"):
-    model = get_builtin(name)
-    if sys.argv[4] == "unfixed":  # the build before the fix: torch's threads as the caller left them
-        model = dataclasses.replace(model, threads=torch.get_num_threads())
-    d = sys.argv[3] + "/" + name
-    rep = build(Path(d), progress=False, model=model, _test_overrides=json.loads(sys.argv[2]))
-    sd = load_file(d + "/model.safetensors")
-    h = hashlib.sha256()
-    for k in sorted(sd):
-        h.update(k.encode()); h.update(sd[k].numpy().tobytes())
-    out[name] = {"sha": h.hexdigest(), "report": rep}
-out["threads_after"] = torch.get_num_threads()
+for threads in map(int, sys.argv[1].split(",")):  # one build of each model per caller thread count
+    torch.set_num_threads(threads)
+    res = out[str(threads)] = {}
+    for name in ("tiny", "small"):
+        model = dataclasses.replace(get_builtin(name), eval_max_new_tokens=eval_tokens)
+        if sys.argv[4] == "unfixed":  # the build before the fix: torch's threads as the caller left them
+            model = dataclasses.replace(model, threads=torch.get_num_threads())
+        d = f"{sys.argv[3]}/{threads}/{name}"
+        rep = build(Path(d), progress=False, model=model, _test_overrides=overrides)
+        sd = load_file(d + "/model.safetensors")
+        h = hashlib.sha256()
+        for k in sorted(sd):
+            h.update(k.encode()); h.update(sd[k].numpy().tobytes())
+        res[name] = {"sha": h.hexdigest(), "report": rep}
+    res["threads_after"] = torch.get_num_threads()
 print(json.dumps(out))
 """
 
-#: both models at a reduced size: the same recipe (task, data, optimizer, evaluation), small shapes
+#: both models at a reduced size: the same recipe (task, data, optimizer, evaluation), small shapes,
+#: and a short evaluation (it runs after the weights are final; at the small model's 160 new tokens
+#: it was most of the build's time, two threads spin-waiting through 320 tiny forwards)
 _REDUCED = {
     "hf_config": {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 2,
                   "num_key_value_heads": 1, "head_dim": 32},
     "sft": {"steps": 12, "batch_size": 32, "eval_size": 8},
+    "eval_max_new_tokens": 16,
 }
 
 
-def _build_in_subprocess(tmp_path, threads: int, pin_one_core: bool = False, unfixed: bool = False) -> dict:
-    out = tmp_path / f"{threads}-{int(pin_one_core)}-{int(unfixed)}"
-    cmd = [sys.executable, "-c", _BUILD, str(threads), json.dumps(_REDUCED), str(out), "unfixed" if unfixed else "-"]
+def _build_in_subprocess(tmp_path, threads: tuple[int, ...], pin_one_core: bool = False,
+                         unfixed: bool = False) -> dict:
+    """One fresh process building both models once for each caller thread count in ``threads``, in
+    that order; returns {str(threads): {name: {"sha", "report"}, "threads_after"}}."""
+    out = tmp_path / f"{'-'.join(map(str, threads))}-{int(pin_one_core)}-{int(unfixed)}"
+    cmd = [sys.executable, "-c", _BUILD, ",".join(map(str, threads)), json.dumps(_REDUCED), str(out),
+           "unfixed" if unfixed else "-"]
     if pin_one_core:
         cmd = ["taskset", "-c", "0"] + cmd
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads[0]), PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_builds_are_bit_identical_whatever_the_thread_count(tmp_path):
-    """The same build with 1 and 2 torch threads outside it (and, where taskset exists, pinned to one
-    core) gives the same weights bit for bit, for both built-in models; the caller's thread count
-    is restored. (Before the fix - torch's default threads, one per core - the weights followed the
-    thread count: ``_build_in_subprocess(..., unfixed=True)`` with 1 and 2 threads gives two different
-    reduced small models. Not asserted here: whether a reduction order shows in the bits depends on
-    the shapes and the machine.)"""
+    """The same build with 1 and 2 torch threads outside it (one process, 1 then 2) and, where
+    taskset exists, in a fresh process pinned to one core with 2 gives the same weights bit for
+    bit, for both built-in models; the caller's thread count is restored. (Before the fix - torch's
+    default threads, one per core - the weights could follow the thread count: the full tiny model
+    did; ``_build_in_subprocess(..., (1, 2), unfixed=True)`` is that build at the reduced size. Not
+    asserted here: whether a reduction order shows in the bits depends on the shapes and the
+    machine - at these shapes on the 2-core development machine the unfixed builds, in one process
+    or two, gave the same bits.)"""
     from cotrain.models.builtin import get_builtin
 
-    one = _build_in_subprocess(tmp_path, 1)
-    two = _build_in_subprocess(tmp_path, 2)
+    both = _build_in_subprocess(tmp_path, (1, 2))
+    one, two = both["1"], both["2"]
     assert (one["threads_after"], two["threads_after"]) == (1, 2)
     for name in ("tiny", "small"):
         assert one[name]["sha"] == two[name]["sha"], name
@@ -261,8 +274,9 @@ def test_builds_are_bit_identical_whatever_the_thread_count(tmp_path):
         assert one[name]["report"]["threads"] == get_builtin(name).threads
         assert one[name]["report"]["task"] == get_builtin(name).task
     if shutil.which("taskset") and (os.cpu_count() or 1) > 1:
-        pinned = _build_in_subprocess(tmp_path, 2, pin_one_core=True)
+        pinned = _build_in_subprocess(tmp_path, (2,), pin_one_core=True)["2"]
         assert [pinned[n]["sha"] for n in ("tiny", "small")] == [one[n]["sha"] for n in ("tiny", "small")]
+        assert pinned["threads_after"] == 2
 
 
 def test_the_drafter_cache_key_ignores_what_only_co_training_reads():
