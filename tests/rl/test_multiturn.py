@@ -294,3 +294,16 @@ def test_config_builds_the_environment():
     assert isinstance(env, CalculatorEnv) and env.call_cost == 0.1 and env.tool_latency_s == 0.2
     assert env.rewards == RewardValues(1.0, 0.0, -0.5)
     assert isinstance(make_env(_cfg()), SingleTurnEnv)
+
+
+def test_multi_turn_samples_round_trip_through_json():
+    """The pending-samples checkpoint writes Samples with dataclasses.asdict -> JSON: the multi-turn
+    fields (mask, reward, turn records with the tool's replies) come back equal."""
+    import json
+    from dataclasses import asdict
+
+    res = TurnLoop(CalculatorEnv(call_cost=0.5), TOK, max_turns=3, max_seq_len=128, timeout_s=5).generate(
+        ScriptedBackend(calc_policy), [Problem("12*34=", "408")], SAMPLING, n=2)
+    for s in res.samples[0]:
+        back = Sample(**json.loads(json.dumps(asdict(s))))
+        assert back == s and back.turns[0]["observation"] == "[408]"
