@@ -157,6 +157,25 @@ def chain_rows(bonus_pos: torch.Tensor, width: int, batch: DraftBatch) -> tuple[
     return torch.where(ok, rows, torch.full_like(rows, -1)), ok
 
 
+def turn_of(batch: DraftBatch) -> torch.Tensor:
+    """(T,) the policy turn (1, 2, ...) of each supervised token, 0 on the others: a turn starts at a
+    supervised token whose predecessor in its sequence is not supervised (a multi-turn response's
+    environment reply, or the prompt, comes before it). A single-turn response is turn 1 throughout."""
+    lm = batch.loss_mask
+    if lm.numel() == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    starts_of_seq = batch.cu_seqlens[:-1][batch.cu_seqlens[:-1] < batch.num_tokens]
+    prev = torch.zeros_like(lm)
+    prev[1:] = lm[:-1]
+    prev[starts_of_seq] = False
+    start = (lm & ~prev).to(torch.int64)
+    count = torch.cumsum(start, 0)
+    before = torch.zeros(batch.num_seqs, dtype=torch.int64)  # turns started before each sequence
+    ok = batch.cu_seqlens[:-1] < batch.num_tokens
+    before[ok] = count[batch.cu_seqlens[:-1][ok]] - start[batch.cu_seqlens[:-1][ok]]
+    return torch.where(lm, count - before[batch.seq_of], torch.zeros_like(count))
+
+
 # ------------------------------------------------------------------------------------------ layers
 class RMSNorm(nn.Module):
     """vLLM's / HF's RMSNorm: x * rsqrt(mean(x^2) + eps) * weight, computed in fp32."""
