@@ -60,6 +60,8 @@ __all__ = [
     "EvalConfig",
     "DataConfig",
     "RewardConfig",
+    "CalculatorEnvConfig",
+    "EnvConfig",
     "WandbConfig",
     "MlflowConfig",
     "LoggingConfig",
@@ -377,6 +379,13 @@ class RolloutConfig(StrictModel):
     """Disable CUDA graphs / compilation. null = true on cpu, false on cuda."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Sampling parameters."""
+    max_turns: PosInt = 1
+    """Policy turns per rollout (multi-turn rollouts with an environment, env.kind; docs/multiturn.md).
+    1 = single-turn: one response per sample (needs env.kind=single_turn). > 1: after each turn the
+    environment replies (its tokens appended, never trained) and generation continues on the whole
+    history, until the environment is done, max_turns turns, or the next turn would not fit
+    policy.max_seq_len (history + reply + rollout.sampling.max_tokens); each sample is its own
+    conversation after turn 1."""
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     """Speculative decoding."""
     weight_transport: Literal["auto", "shm", "object_store", "cuda_ipc", "nccl"] = "auto"
@@ -1019,6 +1028,36 @@ class RewardConfig(StrictModel):
     metric reward/format_error."""
 
 
+# ---------------------------------------------------------------------------------------- env
+class CalculatorEnvConfig(StrictModel):
+    """The built-in calculator task (cotrain/envs/calculator.py): the policy may answer
+    `<calc>37*48</calc>`, the environment replies `[1776]`, and the policy's next turn is its final
+    answer, graded by exact match (reward.*)."""
+
+    call_cost: NonNegFloat = 0.0
+    """Reward subtracted per tool call (0 = calls are free)."""
+
+
+class EnvConfig(StrictModel):
+    """The environment the rollouts talk to between the policy's turns (cotrain/envs;
+    docs/multiturn.md)."""
+
+    kind: Literal["single_turn", "calculator"] = "single_turn"
+    """single_turn: the data's problems answered in one turn, rewarded by reward.* (every run before
+    multi-turn rollouts; rollout.max_turns = 1). calculator: the built-in calculator tool on the data's
+    problems (rollout.max_turns >= 2; builtin:calc is warm-started on it with data.task=arithmetic,
+    ops ['*'])."""
+    timeout_s: PosFloat = 30.0
+    """Longest wait for one environment step (a tool call): a step that takes longer ends its sample
+    with the error tool_timeout (counted in the rollout metrics env/error/*, never failing the run).
+    Acts only with a multi-turn env.kind."""
+    tool_latency_s: NonNegFloat = 0.0
+    """Artificial latency added to every tool call (seconds; the calls of a turn wait concurrently),
+    for benchmarks of the environment's share of the step. Acts only with a multi-turn env.kind."""
+    calculator: CalculatorEnvConfig = Field(default_factory=CalculatorEnvConfig)
+    """Settings of env.kind 'calculator'."""
+
+
 # ----------------------------------------------------------------------------------------- logging
 class WandbConfig(StrictModel):
     """Weights & Biases."""
@@ -1100,6 +1139,8 @@ class CotrainConfig(StrictModel):
     """Prompts."""
     reward: RewardConfig = Field(default_factory=RewardConfig)
     """Reward."""
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    """Environment of the rollouts (multi-turn, tools)."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Metrics output."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

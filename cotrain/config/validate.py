@@ -920,6 +920,32 @@ def resume_issues(cfg: CotrainConfig, step_dir: Path | None = None) -> list[Issu
     return diff_against(step_dir, cfg.to_dict())[1] if step_dir is not None else []
 
 
+def check_env(cfg: CotrainConfig) -> list[Issue]:
+    """env and rollout.max_turns (cotrain/envs, cotrain/rl/multiturn.py): a multi-turn environment
+    needs a second turn, a one-turn one cannot use one; the keys of a tool environment act only with
+    one; evaluation (data.eval) is single-turn."""
+    env, turns = cfg.env, cfg.rollout.max_turns
+    defaults = type(env)()
+    issues: list[Issue] = []
+    if env.kind == "single_turn":
+        if turns > 1:
+            issues.append(("rollout.max_turns", f"{turns} needs an environment that replies (env.kind: "
+                           "calculator); env.kind=single_turn is done after the first turn (allowed: 1)"))
+        for key in ("timeout_s", "tool_latency_s"):
+            if getattr(env, key) != getattr(defaults, key):
+                issues.append((f"env.{key}", "acts only with a multi-turn environment (env.kind: calculator); "
+                               "env.kind=single_turn calls no tool"))
+    elif turns < 2:
+        issues.append(("env.kind", f"{env.kind} needs rollout.max_turns >= 2 (the tool's reply is read in a "
+                       f"second turn; rollout.max_turns={turns})"))
+    if env.kind != "calculator" and env.calculator != defaults.calculator:
+        issues.append(("env.calculator", "acts only with env.kind=calculator"))
+    if env.kind != "single_turn" and cfg.data.eval.every:
+        issues.append(("data.eval.every", f"{cfg.data.eval.every}: the held-out evaluation is single-turn, it "
+                       f"would grade turn 1 of env.kind={env.kind} alone (allowed with a multi-turn env: 0)"))
+    return issues
+
+
 #: the cross-field checks, in order; each takes (cfg, arch) and returns issues
 CHECKS: list[Callable[[CotrainConfig, ModelArch | None], list[Issue]]] = [
     lambda cfg, arch: check_model(cfg, arch) if arch is not None else [],
@@ -929,6 +955,7 @@ CHECKS: list[Callable[[CotrainConfig, ModelArch | None], list[Issue]]] = [
     lambda cfg, arch: check_rollout(cfg),
     check_draft,
     lambda cfg, arch: check_data(cfg),
+    lambda cfg, arch: check_env(cfg),
     lambda cfg, arch: check_checkpoint(cfg),
 ]
 

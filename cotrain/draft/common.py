@@ -10,7 +10,9 @@ Conventions (all drafters):
   the bonus token at packed position ``bonus_pos[n]``; draft j (0-based) of the chain predicts the
   token at ``bonus_pos[n] + 1 + j``, so it is supervised by the target distribution at packed row
   ``target_rows[n, j] = bonus_pos[n] + j`` (target logits at row r predict token r+1). Rows that
-  fall outside the sequence or are not supervised are marked invalid (``valid[n, j] = False``).
+  fall outside the sequence or are not supervised are marked invalid (``valid[n, j] = False``), and
+  so is every draft after an invalid one: a chain ends at the first token that is not the policy's
+  (a turn boundary of a multi-turn response).
   Losses (:mod:`cotrain.draft.losses`) and the acceptance estimator
   (:mod:`cotrain.draft.acceptance`) work on chains only, so they are family independent.
 - Devices: index space (token ids, ``cu_seqlens``, masks, layouts, anchors) lives on the host; the
@@ -47,7 +49,8 @@ class DraftBatch:
     cu_seqlens    (S+1,) int64 cumulative lengths.
     taps          (T, n_taps * target_hidden) at CP = 1; under CP the rank's zigzag shard
                   (layout.local_len rows, zeros on padding rows).
-    loss_mask     (T,) bool: token t is supervised (a response token); None = every token but the
+    loss_mask     (T,) bool: token t is supervised (a response token; in a multi-turn response
+                  the policy's tokens, not the environment's replies); None = every token but the
                   first of each sequence.
     target_logits optional (T, V) target logits (row r = distribution of token r+1) at CP = 1.
     response_start optional (S,) in-sequence position of each sequence's first response token
@@ -147,7 +150,30 @@ def chain_rows(bonus_pos: torch.Tensor, width: int, batch: DraftBatch) -> tuple[
     ok = ok & (rows + 1 < end[:, None])  # the predicted token rows+1 exists in the sequence
     tok = (rows + 1).clamp(max=batch.num_tokens - 1)
     ok = ok & batch.loss_mask[tok]
+    # a chain stops at its first unsupervised token: a multi-turn response's environment reply ends
+    # the policy's turn, and serving drafts no chain across it (single-turn: the supervised tokens
+    # run to the end of the sequence, so this changes nothing)
+    ok = torch.cummin(ok.to(torch.int8), dim=1).values.bool() if ok.numel() else ok
     return torch.where(ok, rows, torch.full_like(rows, -1)), ok
+
+
+def turn_of(batch: DraftBatch) -> torch.Tensor:
+    """(T,) the policy turn (1, 2, ...) of each supervised token, 0 on the others: a turn starts at a
+    supervised token whose predecessor in its sequence is not supervised (a multi-turn response's
+    environment reply, or the prompt, comes before it). A single-turn response is turn 1 throughout."""
+    lm = batch.loss_mask
+    if lm.numel() == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    starts_of_seq = batch.cu_seqlens[:-1][batch.cu_seqlens[:-1] < batch.num_tokens]
+    prev = torch.zeros_like(lm)
+    prev[1:] = lm[:-1]
+    prev[starts_of_seq] = False
+    start = (lm & ~prev).to(torch.int64)
+    count = torch.cumsum(start, 0)
+    before = torch.zeros(batch.num_seqs, dtype=torch.int64)  # turns started before each sequence
+    ok = batch.cu_seqlens[:-1] < batch.num_tokens
+    before[ok] = count[batch.cu_seqlens[:-1][ok]] - start[batch.cu_seqlens[:-1][ok]]
+    return torch.where(lm, count - before[batch.seq_of], torch.zeros_like(count))
 
 
 # ------------------------------------------------------------------------------------------ layers

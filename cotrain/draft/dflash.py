@@ -84,13 +84,17 @@ class BlockDrafter(Drafter):
 
     # ----- layout -------------------------------------------------------------------------------
     def anchor_candidates(self, batch: DraftBatch) -> torch.Tensor:
-        """Packed positions that can be a bonus (anchor) token: in the response, with a next token
-        that is supervised."""
+        """Packed positions that can be a bonus (anchor) token: a supervised response token (the
+        policy's: an environment reply of a multi-turn response is never a bonus token) with a next
+        token that is supervised."""
         T = batch.num_tokens
         p = torch.arange(T)
         ok = batch.positions >= batch.response_start[batch.seq_of]
         ok &= p + 1 < batch.seq_end()
         ok &= batch.loss_mask[(p + 1).clamp(max=T - 1)]
+        # a later response position that is not supervised is an environment token (single-turn
+        # responses are supervised to their end, so this changes nothing for them)
+        ok &= batch.loss_mask | (batch.positions == batch.response_start[batch.seq_of])
         return p[ok]
 
     def sample_anchors(self, batch: DraftBatch, per_seq: Optional[int], generator: Optional[torch.Generator] = None

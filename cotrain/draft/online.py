@@ -46,6 +46,11 @@ same chains (``acceptance_offline_frozen``): the same policy trajectory for both
 GRPO runs cannot give (speculative sampling keeps the distribution, not the draws, so two runs'
 policies part ways).
 
+Per turn (multi-turn rollouts, :mod:`cotrain.rl.multiturn`): the same acceptance split by the
+policy turn of each chain's first draft (:func:`~cotrain.draft.common.turn_of`), reported as
+``acceptance_offline_turn<t>`` for t = 1 .. ``TURN_SLOTS`` (the last slot: that turn and later) when
+the step's rows have a second turn; a single-turn step reports none of them.
+
 Reduced draft vocabulary (EAGLE-3 ``draft_vocab_size``; :mod:`cotrain.draft.vocab`): the loss
 restricts and renormalises p over the draft tokens and drops positions whose greedy token is
 outside them (as offline), and drafted ids are mapped to target ids before they are compared. The
@@ -69,7 +74,7 @@ import torch
 import torch.distributed as dist
 
 from cotrain.draft.acceptance import accept_lengths
-from cotrain.draft.common import DraftBatch, DraftOutput
+from cotrain.draft.common import DraftBatch, DraftOutput, turn_of
 from cotrain.draft.cp import fetch_rows
 from cotrain.draft.dflash import BlockDrafter
 from cotrain.draft.losses import TargetDist, draft_loss, target_dist
@@ -78,6 +83,11 @@ from cotrain.draft.registry import Drafter
 from cotrain.draft.vocab import DraftVocab, token_counts
 from cotrain.parallel.layout import spans
 from cotrain.seeding import mix
+
+
+#: per-turn acceptance slots: turns 1 .. TURN_SLOTS - 1, and TURN_SLOTS for that turn and later
+TURN_SLOTS = 4
+_TURN_KEYS = tuple(f"{k}_turn{t}" for t in range(1, TURN_SLOTS + 1) for k in ("accept_sum", "chains"))
 
 
 @dataclass
@@ -332,7 +342,7 @@ class OnlineDraftTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self._stats = dict.fromkeys(("loss_sum", "weight", "overlap_sum", "top1_sum", "positions", "accept_sum",
                                      "chains", "microbatches", "branch_tokens", "accept_sum_frozen",
-                                     "chains_frozen", "kl_sum", "kl_weight", "chain_positions"), 0.0)
+                                     "chains_frozen", "kl_sum", "kl_weight", "chain_positions", *_TURN_KEYS), 0.0)
         self._timers = {"tree_s": 0.0, "eval_s": 0.0, "frozen_s": 0.0}  # this rank's seconds (not reduced)
         if self.vocab_counts is not None:
             self._step_counts = torch.zeros_like(self.vocab_counts)
@@ -399,6 +409,7 @@ class OnlineDraftTrainer:
                 self._step_counts += token_counts(batch.input_ids, batch.loss_mask, vocab.vocab_size)
             best = p.source.argmax(-1)[p.rows_index]
             lens, first = self._chain_acceptance(out, vocab, best)
+            self._accumulate_turns(batch, out, lens, first)
             if self.frozen is not None and self._replay is None:
                 self._frozen_acceptance(batch, layout, best)
         self._accumulate(m, weight, n, lens, first)
@@ -454,6 +465,20 @@ class OnlineDraftTrainer:
         if "kl" in m:
             st["kl_sum"] += m["kl"] * m["kl_weight"]
             st["kl_weight"] += m["kl_weight"]
+
+    def _accumulate_turns(self, batch: DraftBatch, out: DraftOutput, lens: torch.Tensor, first: torch.Tensor) -> None:
+        """The accepted lengths of the chains with a supervised first draft, by the policy turn of
+        that draft (``TURN_SLOTS``: that turn and later)."""
+        if out.num_chains == 0:
+            return
+        T = batch.num_tokens
+        tok = (out.bonus_pos.cpu() + 1).clamp(max=T - 1)
+        turn = turn_of(batch)[tok].clamp(max=TURN_SLOTS).to(lens.device)
+        st = self._stats
+        for t in range(1, TURN_SLOTS + 1):
+            sel = first & (turn == t)
+            st[f"accept_sum_turn{t}"] += (lens * sel).sum()
+            st[f"chains_turn{t}"] += sel.sum()
 
     def _chain_acceptance(self, out: DraftOutput, vocab: Optional[DraftVocab], best: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -547,6 +572,7 @@ class OnlineDraftTrainer:
             else:
                 best = local_logits.argmax(-1)[out.target_rows.clamp(min=0)]
             lens, first = self._chain_acceptance(out, vocab, best)
+            self._accumulate_turns(batch, out, lens, first)
         self._timers["eval_s"] += time.perf_counter() - t1
         if self.frozen is not None:
             self._frozen_acceptance(batch, layout, best)
@@ -578,6 +604,10 @@ class OnlineDraftTrainer:
                    "kl": s["kl_sum"] / s["kl_weight"] if s["kl_weight"] else float("nan"),
                    "positions": s["positions"], "chains": s["chains"],
                    "flops": self.flops_per_position * s["chain_positions"]}
+        if s["chains_turn2"]:  # multi-turn rows: the acceptance per turn of the chains' first draft
+            for t in range(1, TURN_SLOTS + 1):
+                if s[f"chains_turn{t}"]:
+                    metrics[f"acceptance_offline_turn{t}"] = s[f"accept_sum_turn{t}"] / s[f"chains_turn{t}"]
         if self.frozen is not None:
             metrics["acceptance_offline_frozen"] = (s["accept_sum_frozen"] / s["chains_frozen"] if s["chains_frozen"]
                                                     else float("nan"))

@@ -1,6 +1,6 @@
 """Build (once) the built-in policies: tokenizer, Qwen3 checkpoint, supervised warm start.
 
-``python -m cotrain.models.build_tiny [--model tiny|small|words]`` prints where the checkpoint is and its
+``python -m cotrain.models.build_tiny [--model tiny|small|words|calc]`` prints where the checkpoint is and its
 accuracy on held-out problems. Nothing is downloaded: the tokenizer comes from
 :mod:`cotrain.models.tokenizer`, the architecture and recipe from :mod:`cotrain.models.builtin`
 (``tiny``: :mod:`cotrain.models.tiny`, ``small``: :mod:`cotrain.models.small`), the data from the
@@ -172,7 +172,7 @@ def task_problems(model: str | BuiltinModel, n: int, seed: int) -> list[Problem]
         from cotrain.models.words import words_dataset
 
         return words_dataset(n, seed=seed, **m.task_params)
-    return arithmetic_dataset(n, seed=seed, **m.task_params)
+    return arithmetic_dataset(n, seed=seed, **m.task_params)  # (also the calculator task's problems)
 
 
 def eval_problems(model: str | BuiltinModel = "tiny") -> list[Problem]:
@@ -210,6 +210,14 @@ def sft_sampler(model: str | BuiltinModel) -> Callable[[random.Random], tuple[Pr
             return p, p.answer
 
         return draw
+    if m.task == "calculator":  # the target is a conversation: (who, text) segments (cotrain.models.calc)
+        from cotrain.models.calc import conversation
+
+        def draw(rng):
+            p = arithmetic_problem(rng, **m.task_params)
+            return p, conversation(p, rng, m.sft)
+
+        return draw
     noise = m.sft.get("label_noise", 0.0)
 
     def draw(rng):
@@ -222,12 +230,13 @@ def sft_sampler(model: str | BuiltinModel) -> Callable[[random.Random], tuple[Pr
 def train_sft(model, tokenizer, steps: int, batch_size: int, lr: float, warmup: int, weight_decay: float, seed: int,
               label_noise: float = 0.0, task: dict | None = None, progress: bool = True,
               sampler: Optional[Callable[[random.Random], tuple[Problem, str]]] = None, bucket: int = 1,
-              desc: str = "warm-start SFT") -> list[float]:
+              desc: str = "warm-start SFT", encode: Callable = encode_sft_batch) -> list[float]:
     """AdamW with linear warm-up and cosine decay on fresh problems each step.
 
     ``sampler(rng)`` gives (problem, target response); default: the arithmetic task ``task``
     (default the tiny model's) with ``label_noise``. ``bucket > 1`` draws that many batches at
-    once, sorts them by length and trains on them in a seeded order (less padding)."""
+    once, sorts them by length and trains on them in a seeded order (less padding). ``encode``
+    (tokenizer, problems, targets) -> the HF batch (default :func:`encode_sft_batch`)."""
     from tqdm import tqdm
 
     rng = random.Random(seed)
@@ -252,7 +261,7 @@ def train_sft(model, tokenizer, steps: int, batch_size: int, lr: float, warmup: 
             queue = [pool[i * batch_size:(i + 1) * batch_size] for i in range(bucket)]
             rng.shuffle(queue)
         chunk = queue.pop()
-        batch = encode_sft_batch(tokenizer, [p for p, _ in chunk], [t for _, t in chunk])
+        batch = encode(tokenizer, [p for p, _ in chunk], [t for _, t in chunk])
         loss = model(**batch).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -292,12 +301,18 @@ def _build(out_dir: Path, m: BuiltinModel, progress: bool) -> dict:
     tokenizer = tokenizer_for(m.tokenizer)
     model = make_model(tokenizer, m.sft["seed"], m)
     sft = {k: m.sft[k] for k in ("steps", "batch_size", "lr", "warmup", "weight_decay", "seed")}
+    extra = {}
+    score = accuracy
+    if m.task == "calculator":  # conversations with the tool (cotrain.models.calc)
+        from cotrain.models.calc import calc_accuracy, encode_conversations
+
+        extra, score = {"encode": encode_conversations}, calc_accuracy
     losses = train_sft(model, tokenizer, progress=progress, sampler=sft_sampler(m), bucket=m.sft.get("bucket", 1),
-                       desc=f"builtin:{m.name} warm start", **sft)
+                       desc=f"builtin:{m.name} warm start", **sft, **extra)
     evals = eval_problems(m)
     n = m.eval_max_new_tokens
-    sampled = accuracy(model, tokenizer, evals, temperature=1.0, max_new_tokens=n)
-    greedy = accuracy(model, tokenizer, evals, max_new_tokens=n)
+    sampled = score(model, tokenizer, evals, temperature=1.0, max_new_tokens=n)
+    greedy = score(model, tokenizer, evals, max_new_tokens=n)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))
     try:

@@ -12,6 +12,9 @@ and resolves the checkpoints. Importing this module imports no torch.
 - ``builtin:words`` (:mod:`cotrain.models.words`): a word-level tokenizer of 8,192 tokens and a copy
   task over Zipf-distributed words (1.4 M parameters, most of them the tied embedding / LM head): the
   target of the reduced EAGLE-3 draft vocabulary's tests and benchmark.
+- ``builtin:calc`` (:mod:`cotrain.models.calc`): the tiny architecture warm-started on noisy tool
+  use of the calculator task (:mod:`cotrain.envs.calculator`): 2-digit multiplication answered after
+  a ``<calc>`` call. The multi-turn example's policy (configs/calc.yaml).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ class BuiltinModel:
     name: str
     hf_config: dict = field(repr=False)
     vocab_size: int
-    task: str  # a built-in task: "arithmetic" or "gcd" (cotrain.tasks), "words" (cotrain.models.words)
+    task: str  # a built-in task: "arithmetic" or "gcd" (cotrain.tasks), "words" (cotrain.models.words),
+    # "calculator" (cotrain.envs.calculator, arithmetic problems answered with the tool)
     task_params: dict
     sft: dict  # the warm start; see cotrain.models.build_tiny.train_sft
     build_version: int
@@ -45,7 +49,7 @@ class BuiltinModel:
 
 
 def _registry() -> dict[str, BuiltinModel]:
-    from cotrain.models import small, tiny, words
+    from cotrain.models import calc, small, tiny, words
 
     return {
         "tiny": BuiltinModel("tiny", tiny.TINY_QWEN3_CONFIG, tiny.VOCAB_SIZE, "arithmetic", tiny.TINY_TASK, tiny.TINY_SFT,
@@ -56,10 +60,13 @@ def _registry() -> dict[str, BuiltinModel]:
         "words": BuiltinModel("words", words.WORDS_QWEN3_CONFIG, words.VOCAB_SIZE, "words", words.WORDS_TASK,
                               words.WORDS_SFT, words.BUILD_VERSION, words.BUILD_THREADS,
                               eval_max_new_tokens=words.EVAL_MAX_NEW_TOKENS, tokenizer="words"),
+        "calc": BuiltinModel("calc", calc.CALC_QWEN3_CONFIG, calc.VOCAB_SIZE, "calculator", calc.CALC_TASK,
+                             calc.CALC_SFT, calc.BUILD_VERSION, calc.BUILD_THREADS,
+                             eval_max_new_tokens=calc.EVAL_MAX_NEW_TOKENS),
     }
 
 
-BUILTIN_NAMES = ("tiny", "small", "words")
+BUILTIN_NAMES = ("tiny", "small", "words", "calc")
 
 
 def allowed() -> str:

@@ -3,6 +3,12 @@
 Each sequence is ``prompt + response`` (right-padded). Position t of the model input predicts
 ``targets[t] = tokens[t + 1]``; ``mask[t]`` is 1 where that target is a response token, so every
 per-token quantity (log-probs, advantages, losses) lives on the ``[N, S]`` target grid.
+
+A multi-turn sample's response interleaves the policy's turns with the environment's replies
+(:mod:`cotrain.rl.multiturn`); its ``Sample.loss_mask`` (1 = policy token) is the mask on its
+response targets, so ``mask[t] = loss_mask[t + 1 - len(prompt)]``: only policy tokens are trained,
+carry rollout log-probs and enter the train-inference KL; replies are context. A sample without a
+loss mask (single-turn) has mask 1 on its whole response, exactly as before.
 """
 
 from __future__ import annotations
@@ -78,7 +84,13 @@ def build_batch(samples: list[Sample], advantages: list[float], pad_id: int, mul
     for i, (s, seq) in enumerate(zip(samples, seqs)):
         tokens[i, : len(seq)] = torch.tensor(seq)
         start, end = len(s.prompt_token_ids) - 1, len(seq) - 1  # targets that are response tokens
-        mask[i, start:end] = 1
+        if s.loss_mask is None:
+            mask[i, start:end] = 1
+        else:
+            if len(s.loss_mask) != len(s.token_ids):
+                raise ValueError(f"sample {i}: loss_mask has {len(s.loss_mask)} entries for {len(s.token_ids)} "
+                                 "response tokens")
+            mask[i, start:end] = torch.tensor(s.loss_mask, dtype=torch.float32)
         if s.logprobs:
             rollout_lp[i, start:end] = torch.tensor(s.logprobs, dtype=torch.float32)
     lengths = torch.tensor([min(len(seq), S) for seq in seqs], dtype=torch.int64)

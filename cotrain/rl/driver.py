@@ -70,7 +70,8 @@ def load_problems(cfg, tokenizer=None) -> tuple[list[Problem], list[Problem]]:
 def score(cfg, samples, problems: list[Problem]) -> torch.Tensor:
     """Rewards [prompts, group]: reward.correct / incorrect / format_error (cotrain.tasks.rewards)."""
     r = cfg.reward
-    return torch.tensor([[exact_match_reward(s.text, p.answer, r.correct, r.incorrect, r.format_error) for s in row]
+    return torch.tensor([[s.reward if s.reward is not None else  # multi-turn: the environment's reward
+                          exact_match_reward(s.text, p.answer, r.correct, r.incorrect, r.format_error) for s in row]
                          for row, p in zip(samples, problems)])
 
 
@@ -94,6 +95,9 @@ def train_inference_kl(batch: TrainBatch) -> dict[str, float]:
 
 def rollout_metrics(gm: dict[str, float]) -> dict[str, float]:
     m = {"rollout/tokens_per_s": gm["tokens_per_s"]}
+    if "env_s" in gm:  # multi-turn: the environment's seconds (tool execution, latency) inside the rollout
+        m["time/env"] = gm["env_s"]
+        m.update({k: v for k, v in gm.items() if k.startswith("env/")})
     if "mean_acceptance_length" in gm:
         m["spec/acceptance_length"] = gm["mean_acceptance_length"]
         m["spec/draft_acceptance_rate"] = gm["draft_acceptance_rate"]
@@ -259,7 +263,14 @@ class GrpoRun:
                             seed=mix(self.cfg.run.seed, step) + round * 2**32)
 
     def generate_groups(self, problems: list[Problem], sampling: SamplingSpec) -> GenerationResult:
-        """grpo.group_size samples of each problem's response from the engines (one turn)."""
+        """grpo.group_size samples of each problem's response from the engines: one turn, or with a
+        multi-turn environment (env.kind, rollout.max_turns > 1) the turn loop of cotrain.rl.multiturn."""
+        if self.cfg.rollout.max_turns > 1:
+            if getattr(self, "turn_loop", None) is None:
+                from cotrain.rl.multiturn import TurnLoop
+
+                self.turn_loop = TurnLoop.from_config(self.cfg, self.model_path)
+            return self.turn_loop.generate(self.rollout, problems, sampling, n=self.cfg.grpo.group_size)
         return self.rollout.generate([p.prompt for p in problems], sampling, n=self.cfg.grpo.group_size)
 
     def draw_groups(self, step: int, version: int | None = None) -> StepGroups:

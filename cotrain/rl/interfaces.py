@@ -57,6 +57,13 @@ class Sample:
     # "acceptance_histogram": rounds by number of accepted drafts)
     draft_version: int | None = None  # the drafter version that drafted it (the last drafter push; None:
     # no speculation, or the engines' initial drafter)
+    # multi-turn rollouts (cotrain.rl.multiturn; None on single-turn samples, which stay as they were):
+    loss_mask: list[int] | None = None  # per response token: 1 = the policy's (trained, sampled log-prob),
+    # 0 = the environment's (context only: log-prob 0, never trained); None = every token the policy's
+    reward: float | None = None  # the environment's reward of the conversation (None: reward.* on text)
+    turns: list[dict] | None = None  # one JSON-plain record per policy turn: its text, token counts, the
+    # environment's reply (so a resume never asks a tool again), step reward, versions, acceptance
+    env_error: str | None = None  # the named error that ended the conversation (cotrain.rl.multiturn.ENV_ERRORS)
 
 
 @dataclass
