@@ -65,7 +65,7 @@ def assert_issue(err: ConfigError, path: str, *fragments: str) -> str:
 def test_shipped_configs_validate(name):  # distill_*.yaml are cotrain.draft.distill configs (tests/draft)
     cfg = load_config(CONFIGS / name)
     assert cfg.cluster.device in ("cpu", "cuda")
-    layers = {"builtin:tiny": 4, "builtin:small": 6}[cfg.policy.model_path]
+    layers = {"builtin:tiny": 4, "builtin:small": 6, "builtin:calc": 4}[cfg.policy.model_path]
     assert cfg.model_arch is not None and cfg.model_arch.num_hidden_layers == layers
 
 

@@ -73,6 +73,7 @@ def test_to_moves_every_field():
     batch = build_batch([a, b], [1.0, -1.0], pad_id=0, multiple_of=4)
     batch.old_logprobs = batch.rollout_logprobs - 0.5
     batch.ref_logprobs = batch.rollout_logprobs * 2
+    batch.is_weights = batch.mask * 0.5
     names = [f.name for f in fields(batch)]
     assert all(getattr(batch, n) is not None for n in names)  # every field is exercised
     meta = batch.to("meta")
