@@ -352,7 +352,7 @@ ERROR_CASES = [
     ("draft_loss_kind", ["draft.kind=eagle3", "draft.loss=dspark_l1"], "draft.loss",
      ["allowed: soft_ce, forward_kl, hard_ce, e2e_tv"]),
     ("draft_loss_value", ["draft.loss=mse"], "draft.loss",
-     ["is not a drafter loss (allowed: null, soft_ce, forward_kl, hard_ce, e2e_tv, dspark_l1)"]),
+     ["is not a drafter loss (allowed: null, soft_ce, forward_kl, hard_ce, e2e_tv, accept_weighted_tv, dspark_l1)"]),
     ("draft_fixed_random", ["draft.kind=eagle3", "draft.cotrain=false"], "draft.cotrain",
      ["stay random", "rollout.speculative.draft_model"]),
     ("markov_head", ["draft.dspark.markov_head=deep"], "draft.dspark.markov_head", ["allowed: vanilla, gated"]),
@@ -502,7 +502,7 @@ def test_register_new_draft_kind(registry):
     assert_issue(error_of(["draft.kind=medusa", "draft.loss=soft_ce", "rollout.speculative.method=medusa"]),
                  "draft.loss", "soft_ce is not available for draft.kind=medusa (allowed: hard_ce)")
     assert_issue(error_of(["draft.loss=l2"]), "draft.loss",
-                 "allowed: null, soft_ce, forward_kl, hard_ce, e2e_tv, dspark_l1")
+                 "allowed: null, soft_ce, forward_kl, hard_ce, e2e_tv, accept_weighted_tv, dspark_l1")
     with pytest.raises(ValueError, match="already registered"):
         register_draft_kind(DraftKind("eagle3", MedusaConfig, "x:Y", vllm_method="eagle3"))
     with pytest.raises(ValueError, match="clashes"):

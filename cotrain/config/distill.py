@@ -112,6 +112,10 @@ def load_distill_config(path: Optional[str | Path] = None, overrides: list[str] 
     if cfg.draft.loss not in cfg.draft.record.losses:
         raise ValueError(f"draft.loss: {cfg.draft.loss!r} is not allowed for kind {cfg.draft.kind!r} "
                          f"(allowed: {', '.join(cfg.draft.record.losses)})")
+    from cotrain.config.validate import check_accept_weighted
+
+    for path, msg in check_accept_weighted(cfg.draft):
+        raise ValueError(f"{path}: {msg}")
     if cfg.draft.branches == "on_policy" and cfg.draft.kind not in ON_POLICY_KINDS:
         raise ValueError(f"draft.branches: on_policy is built for kinds {', '.join(ON_POLICY_KINDS)} "
                          f"(cotrain.draft.specopd), not {cfg.draft.kind!r}")

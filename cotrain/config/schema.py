@@ -398,7 +398,7 @@ class RolloutConfig(StrictModel):
 
 # -------------------------------------------------------------------------------------- draft kinds
 #: the losses every drafter trains with (cotrain.draft.losses); a kind's record adds its own
-COMMON_LOSSES: tuple[str, ...] = ("soft_ce", "forward_kl", "hard_ce", "e2e_tv")
+COMMON_LOSSES: tuple[str, ...] = ("soft_ce", "forward_kl", "hard_ce", "e2e_tv", "accept_weighted_tv")
 
 
 def spread_layers(n: int, lo: int, hi: int) -> list[int]:
@@ -724,7 +724,9 @@ class DraftConfig(StrictModel):
     loss: str | None = None
     """Drafter loss: soft_ce / forward_kl against the detached policy distribution, hard_ce on
     the sampled tokens, dspark_l1 (DSpark only: CE + L1 of probabilities), e2e_tv (prefix
-    acceptance surrogate); each kind allows the losses of its registration. null = the kind's
+    acceptance surrogate), accept_weighted_tv (each position's TV weighted by the detached
+    acceptance probability of the drafts the branch drew before it; needs draft.branches:
+    on_policy); each kind allows the losses of its registration. null = the kind's
     default (dspark_l1 for dspark, else soft_ce)."""
     branches: Literal["teacher_forced", "on_policy"] = "teacher_forced"
     """Where the supervised draft tokens come from: teacher_forced = chains on the reference

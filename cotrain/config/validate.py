@@ -540,6 +540,16 @@ def _check_on_policy(cfg: CotrainConfig) -> list[Issue]:
     return issues
 
 
+def check_accept_weighted(d) -> list[Issue]:
+    """draft.loss: accept_weighted_tv weights position j by the acceptance of the drafts drawn before
+    it (cotrain.draft.losses): only on-policy branches have drafts of their own."""
+    if d.loss == "accept_weighted_tv" and d.branches != "on_policy":
+        return [("draft.loss", f"accept_weighted_tv weights each position by the acceptance probability of the "
+                 f"drafts the branch itself drew before it; draft.branches={d.branches} chains are the reference "
+                 "tokens, which the drafter did not draw (set draft.branches=on_policy, or use e2e_tv)")]
+    return []
+
+
 def _check_budget(d) -> list[Issue]:
     """draft.budget: the adaptive keys act only in adaptive mode, the replay only with max_steps > 1
     and teacher-forced chains (an on-policy branch needs its own step's tree forward)."""
@@ -582,6 +592,7 @@ def check_draft(cfg: CotrainConfig, arch: ModelArch | None) -> list[Issue]:
     if d.loss is not None and d.loss not in d.record.losses:
         issues.append(("draft.loss", f"{d.loss} is not available for draft.kind={d.kind} (allowed: "
                        f"{', '.join(d.record.losses)})"))
+    issues += check_accept_weighted(d)
     if d.branches == "on_policy":
         issues += _check_on_policy(cfg)
     if d.compare_frozen and d.cotrain and d.init is None:

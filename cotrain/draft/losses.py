@@ -17,6 +17,27 @@ Every loss averages over valid positions, weighted by the chain's per-position `
                   L = -sum_{nj valid} w_j S_{nj} / sum_{nj valid} w_j
                   Gradients flow through q and the products; p is fixed. An early mismatch lowers
                   every later S, so it weighs on every later position.
+- ``accept_weighted_tv`` (on-policy branches only: ``labels`` = the branch's own drafts y, drawn
+                  from q at the branch temperature T):
+                  r_{ni} = min(1, p_{ni}(y_{ni}) / q_{ni}(y_{ni}))   at T = 1 (the probability that
+                           speculative rejection sampling accepts the drawn y_i),
+                  r_{ni} = 1[y_{ni} = argmax p_{ni}]                at T = 0 (greedy verification),
+                  c_{nj} = prod_{i < j, valid} r_{ni}   (detached; c_{n1} = 1)
+                  L = sum_{nj valid} w_j c_{nj} (1 - a_{nj}) / sum_{nj valid} w_j
+                  Position j's TV term, weighted by the acceptance probability of the prefix the
+                  branch actually drew, instead of E2E-TV's expected-overlap product.
+                  *Estimator.* With q_i and p_i conditioned on the branch's own y_{<i} (as serving
+                  conditions on the accepted drafts), P(drafts 1..j accepted) =
+                  E_{y ~ q}[c_j a_j] at T = 1, so sum_j c_j a_j is a one-sample unbiased estimate of
+                  the expected accepted length at the anchor (at T = 0, c_j a_j is exact up to a_j
+                  standing in for the indicator that draft j is the argmax). *Bias of the gradient.*
+                  c_j is a constant: the gradient is E[sum_j w_j c_j grad a_j] (unbiased for that
+                  part), and it drops the part through the prefix, E[c_j a_j sum_{i<j}
+                  1[q_i(y_i) < p_i(y_i)] grad log q_i(y_i)] (how raising an earlier draft's
+                  probability raises the chance that later ones are reached; the score-function and
+                  the min(1, p/q) terms combined), which E2E-TV keeps through its products.
+                  Teacher-forced chains have no drafted prefix: refused (``draft_loss``, and
+                  validation with draft.branches: teacher_forced).
 
 **Chunks.** Every loss is a weighted mean of per-position statistics (the V-wide sums above), so
 they are computed by :class:`_PositionStats` in chunks of chains (numerator and denominator summed
@@ -66,15 +87,17 @@ import torch.nn.functional as F
 
 from cotrain.draft.common import DraftOutput
 
-LOSSES = ("soft_ce", "forward_kl", "hard_ce", "dspark_l1", "e2e_tv")
+LOSSES = ("soft_ce", "forward_kl", "hard_ce", "dspark_l1", "e2e_tv", "accept_weighted_tv")
+#: the temperatures at which accept_weighted_tv knows the acceptance of a drawn prefix
+ACCEPT_TEMPERATURES = (0.0, 1.0)
 #: elements (positions x vocabulary) of one chunk's fp32 temporaries, by device type: on CPU 2^20
 #: (4 MiB each, 32 positions at 32k: per-chunk dispatch is negligible next to the work); on a GPU
 #: 2^25 (128 MiB each: a chunk of one chain per kernel launch would make the loss launch-bound)
 CHUNK_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 25}
 
 # per-position statistics (the columns of _PositionStats' output)
-CE, PLOGP, L1, OV, NLL, MATCH, INVOCAB = range(7)
-_NUM_STATS = 7
+CE, PLOGP, L1, OV, NLL, MATCH, INVOCAB, RATIO, YGREEDY = range(9)
+_NUM_STATS = 9
 _DIFFERENTIABLE = (CE, L1, OV, NLL)
 
 
@@ -132,10 +155,11 @@ def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 class _PositionStats(torch.autograd.Function):
-    """(N, W, 7) fp32 per-position statistics of logits (N, W, Vd) against ``target``, computed in
+    """(N, W, 9) fp32 per-position statistics of logits (N, W, Vd) against ``target``, computed in
     chunks of ``chunk`` chains (module doc): CE = -sum p log q, PLOGP = sum p log p, L1 = ||p - q||_1,
     OV = sum min(p_acc, q), NLL = -log q[y] (0 where y < 0), MATCH = [argmax q (as a target id) ==
-    argmax p], INVOCAB (see vocab). Only the columns in ``need`` are computed (the others are 0).
+    argmax p], INVOCAB (see vocab), RATIO = min(1, p_acc[y] / q[y]) and YGREEDY = [y (as a target id)
+    == argmax p] (both 1 where y < 0). Only the columns in ``need`` are computed (the others are 0).
 
     The columns in ``grads`` (a subset of CE, L1, OV, NLL) are differentiable: while a chunk's q and
     p are at hand, the forward also writes each one's derivative d stat / dz (module doc) into an
@@ -179,6 +203,14 @@ class _PositionStats(torch.autograd.Function):
             if MATCH in need:
                 drafted = q.argmax(-1)
                 s[:, MATCH] = ((drafted if vocab is None else vocab.to_target(drafted)) == greedy).float()
+            if RATIO in need or YGREEDY in need:
+                has, yc = y >= 0, y.clamp(min=0)[:, None]
+                if RATIO in need:
+                    r = (p_acc.gather(-1, yc) / q.gather(-1, yc).clamp(min=torch.finfo(q.dtype).tiny)).squeeze(-1)
+                    s[:, RATIO] = torch.where(has, r.clamp(max=1.0), 1.0)
+                if YGREEDY in need:
+                    yt = yc.squeeze(-1) if vocab is None else vocab.to_target(yc.squeeze(-1))
+                    s[:, YGREEDY] = torch.where(has, (yt == greedy).float(), 1.0)
             s[:, INVOCAB] = inv.float()
             for k, j in jac.items():
                 _jacobian_(j[n0:n1].view(-1, Vd), k, q, p, p_acc, y)
@@ -303,12 +335,41 @@ def e2e_tv(logits: torch.Tensor, p, valid: torch.Tensor, loss_weight: Optional[t
     return _e2e(overlap(logits, p), valid, loss_weight)
 
 
+def prefix_acceptance(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """c_{nj} = prod_{i < j, valid} r_{ni} (c_{n1} = 1), detached: the acceptance probability of the
+    drafts drawn before position j (module doc, accept_weighted_tv)."""
+    r = torch.where(valid, r.detach(), torch.ones_like(r))
+    return torch.cat([torch.ones_like(r[:, :1]), torch.cumprod(r, dim=-1)[:, :-1]], dim=-1)
+
+
+def _accept_weighted(a: torch.Tensor, c: torch.Tensor, valid: torch.Tensor, loss_weight) -> torch.Tensor:
+    return _wmean(c * (1.0 - a), _weights(valid, loss_weight))
+
+
+def accept_weighted_tv(logits: torch.Tensor, p, labels: torch.Tensor, valid: torch.Tensor,
+                       loss_weight: Optional[torch.Tensor] = None, temperature: float = 1.0) -> torch.Tensor:
+    """The module doc's accept_weighted_tv on branches whose drafts ``labels`` the drafter drew at
+    ``temperature`` (0 or 1)."""
+    col = _accept_column(temperature)
+    s = position_stats(logits, p, {OV, col}, labels, grads={OV})
+    return _accept_weighted(s[..., OV], prefix_acceptance(s[..., col], valid), valid, loss_weight)
+
+
+def _accept_column(temperature: float) -> int:
+    if float(temperature) not in ACCEPT_TEMPERATURES:
+        raise ValueError(f"accept_weighted_tv: branch temperature {temperature} (the acceptance of a drawn prefix is "
+                         "defined here at 1, min(1, p/q), and at 0, the target's argmax; allowed: 0, 1)")
+    return RATIO if float(temperature) == 1.0 else YGREEDY
+
+
 def draft_loss(name: str, out: DraftOutput, p, labels: Optional[torch.Tensor] = None, l1_weight: float = 1.0,
                confidence_weight: float = 1.0, vocab=None,
-               chunk_elements: Optional[int] = None) -> tuple[torch.Tensor, dict]:
+               chunk_elements: Optional[int] = None, branch_temperature: float = 1.0) -> tuple[torch.Tensor, dict]:
     """The loss ``name`` (one of LOSSES) on chains ``out`` against the target distributions ``p``:
     (N, W, V) probabilities or a :class:`TargetDist` (:func:`target_dist`: gathered from the target
-    logits chunk by chunk), detached here. ``labels`` (N, W): the tokens for hard_ce. ``vocab``: the
+    logits chunk by chunk), detached here. ``labels`` (N, W): the tokens for hard_ce; for
+    accept_weighted_tv the branch's own drafts (on-policy chains, ``out.extras["on_policy"]``), drawn
+    at ``branch_temperature`` (0 or 1). ``vocab``: the
     drafter's reduced draft vocabulary (its logits then have vocab.size columns; see the module doc).
     Returns (loss, metrics), every metric a detached 0-dim tensor on the logits' device (no host
     sync); ``metrics["weight"]`` is the loss's denominator."""
@@ -326,9 +387,15 @@ def draft_loss(name: str, out: DraftOutput, p, labels: Optional[torch.Tensor] = 
         raise ValueError(f"target distributions {tuple(target.shape)} do not match the chains {tuple(out.logits.shape)}")
     if name == "hard_ce" and labels is None:
         raise ValueError("hard_ce needs labels (the target's sampled tokens)")
+    if name == "accept_weighted_tv" and (labels is None or not out.extras.get("on_policy")):
+        raise ValueError("accept_weighted_tv weights each position by the acceptance of the drafts the branch drew "
+                         "before it: it needs on-policy branches and their drafts as labels "
+                         "(cotrain.draft.specopd; draft.branches: on_policy), not teacher-forced chains")
     own = {"soft_ce": {CE}, "forward_kl": {CE, PLOGP}, "hard_ce": {NLL}, "dspark_l1": {CE, L1},
-           "e2e_tv": {OV}}[name]
-    s = position_stats(out.logits, target, own | {CE, PLOGP, OV, MATCH}, labels if name == "hard_ce" else None,
+           "e2e_tv": {OV}, "accept_weighted_tv": {OV}}[name]
+    extra_cols = {_accept_column(branch_temperature)} if name == "accept_weighted_tv" else set()
+    s = position_stats(out.logits, target, own | extra_cols | {CE, PLOGP, OV, MATCH},
+                       labels if name in ("hard_ce", "accept_weighted_tv") else None,
                        vocab, chunk_elements, grads=own & set(_DIFFERENTIABLE))
     ce_valid = valid & (s[..., INVOCAB] > 0)  # a reduced vocabulary drops positions it cannot say
     counted = ce_valid
@@ -342,6 +409,11 @@ def draft_loss(name: str, out: DraftOutput, p, labels: Optional[torch.Tensor] = 
         loss = _wmean(s[..., NLL], _weights(counted, w))
     elif name == "dspark_l1":
         loss, metrics = _dspark(s, _weights(ce_valid, w), out.confidence, l1_weight, confidence_weight)
+    elif name == "accept_weighted_tv":
+        counted = valid
+        c = prefix_acceptance(s[..., next(iter(extra_cols))], valid)
+        loss = _accept_weighted(s[..., OV], c, valid, w)
+        metrics["prefix_acceptance"] = _wmean(c, valid.float()).detach()
     else:
         counted = valid
         loss = _e2e(s[..., OV], valid, w)

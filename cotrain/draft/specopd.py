@@ -15,7 +15,8 @@ the packed order. The target distribution of draft j (1-based) is
 
 so the target needs only y_1..y_{W-1} of each branch (EAGLE-3: also its bonus token, below).
 The loss is E2E-TV (``losses.e2e_tv`` through
-``losses.draft_loss``) on the branch positions with y and p held fixed:
+``losses.draft_loss``; or ``accept_weighted_tv``, which weights draft j by the acceptance of the
+drawn y_{<j}, see :mod:`cotrain.draft.losses`) on the branch positions with y and p held fixed:
 
     L = - sum_{b,j valid} w_j prod_{i<=j} sum_v min(p_{b,i}(v), q_{b,i}(v)) / sum_{b,j valid} w_j
 
@@ -387,14 +388,15 @@ def branch_chains(branches: Branches, loss_gamma: Optional[float] = None) -> Dra
 
 
 def specopd_loss(branches: Branches, p: torch.Tensor, loss: str = "e2e_tv",
-                 loss_gamma: Optional[float] = None, **extra) -> tuple[torch.Tensor, dict]:
+                 loss_gamma: Optional[float] = None, temperature: float = 1.0, **extra) -> tuple[torch.Tensor, dict]:
     """The drafter loss (default E2E-TV) on the on-policy branches against the fixed target
-    distributions ``p`` (NB, W, V) from :func:`branch_target_probs`. ``extra``: draft_loss's
+    distributions ``p`` (NB, W, V) from :func:`branch_target_probs`. ``temperature``: the one the
+    branches were drawn at (accept_weighted_tv's prefix acceptance reads it). ``extra``: draft_loss's
     keyword arguments (dspark_l1's weights). Under a reduced draft vocabulary (``branches.vocab``)
     the loss sees the draft-id logits, the target-id labels and p over the target's vocabulary, and
     restricts p as for teacher-forced chains (:mod:`cotrain.draft.losses`)."""
     return draft_loss(loss, branch_chains(branches, loss_gamma), p, labels=branches.tokens, vocab=branches.vocab,
-                      **extra)
+                      branch_temperature=temperature, **extra)
 
 
 def specopd_step(drafter, target_model, batch: DraftBatch, generator: Optional[torch.Generator] = None,
@@ -411,7 +413,8 @@ def specopd_step(drafter, target_model, batch: DraftBatch, generator: Optional[t
     with torch.no_grad():
         scores = tree_target_logits(target_model, batch.input_ids, batch.cu_seqlens, br, group)
     p = branch_target_probs(scores, br)
-    value, metrics = specopd_loss(br, p, loss, getattr(drafter.cfg, "loss_gamma", None), **(extra or {}))
+    value, metrics = specopd_loss(br, p, loss, getattr(drafter.cfg, "loss_gamma", None), temperature,
+                                  **(extra or {}))
     metrics["branches"] = int(br.tokens.shape[0])
     metrics["branch_tokens_scored"] = int(scores.branch_logits.shape[0])
     return value, metrics, br

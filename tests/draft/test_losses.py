@@ -317,12 +317,12 @@ def test_chunked_loss_equals_the_full_tensor_autograd(name, vocab):
 def test_chunk_boundaries_cover_every_position_once():
     """Per-position statistics and their gradients with chunks of 1, 2, 4 and 16 chains (N = 5) equal
     one chunk, row by row: a chain skipped or counted twice at a boundary shows."""
-    from cotrain.draft.losses import CE, L1, MATCH, OV, position_stats
+    from cotrain.draft.losses import _NUM_STATS, CE, L1, MATCH, OV, position_stats
 
     logits, tl, rows, _, _, _, _ = _random_case(3)
     p = torch.softmax(tl[rows.clamp(min=0)], -1)
     cols = [CE, L1, OV, MATCH]
-    w = torch.randn(5, 3, 7)
+    w = torch.randn(5, 3, _NUM_STATS)
 
     def run(elements):
         z = logits.clone().requires_grad_(True)
