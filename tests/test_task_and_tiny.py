@@ -85,7 +85,7 @@ def test_driver_scores_format_errors_with_reward_format_error():
     from cotrain.rl.driver import reward_metrics, score
 
     cfg = load_config(ROOT / "configs" / "grpo.yaml", ["reward.format_error=-0.5"])
-    row = [SimpleNamespace(text=t) for t in ("12", "13", "", "x1")]
+    row = [SimpleNamespace(text=t, reward=None) for t in ("12", "13", "", "x1")]  # (reward: a multi-turn env's)
     probs = [Problem("5+7=", "12")]
     assert score(cfg, [row], probs).tolist() == [[1.0, 0.0, -0.5, -0.5]]
     assert reward_metrics([row], probs) == {"reward/format_error": 0.5}
