@@ -665,8 +665,9 @@ def wait_refs(refs: list, what: str, placement: ClusterPlacement | None, poll_s:
     within about ``poll_s`` (instead of whenever Ray notices), and so does a failed call whose cause
     is a dead node. ``settle``: wait for every call to finish, then return each one's result or the
     exception it raised (for calls that must all end before a failure is reported: a weight push);
-    a dead node still raises. The one dead-node-aware wait of the run's Ray calls (the trainer's
-    ranks use it with ``first_error``: :meth:`TrainerGroup._wait`)."""
+    a dead node still raises. (The trainer's ranks have their own fail-fast wait,
+    :meth:`TrainerGroup._wait`: it names the rank whose actor died and does not wait for the
+    survivors, which may be blocked in a collective with it.)"""
     import ray
 
     pending = list(refs)

@@ -26,27 +26,11 @@ from __future__ import annotations
 import random
 
 from cotrain.envs.calculator import CLOSE, OPEN, reply, tool_call
+from cotrain.models import tiny
 
-VOCAB_SIZE = 128  # the character tokenizer of builtin:tiny
-
-CALC_QWEN3_CONFIG = dict(
-    architectures=["Qwen3ForCausalLM"],
-    model_type="qwen3",
-    hidden_size=128,
-    intermediate_size=384,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=256,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-6,
-    hidden_act="silu",
-    attention_bias=False,
-    attention_dropout=0.0,
-    tie_word_embeddings=False,
-    torch_dtype="float32",
-)
+# the tiny architecture and its character tokenizer (builtin:tiny's, shared)
+VOCAB_SIZE = tiny.VOCAB_SIZE
+CALC_QWEN3_CONFIG = dict(tiny.TINY_QWEN3_CONFIG)
 
 # 2-digit multiplication (operands 1..2 digits): data.task=arithmetic, digits 2, ops ['*'].
 CALC_TASK = dict(max_digits=2, ops=("*",))
