@@ -8,7 +8,10 @@ it is most of the update's memory. This measures it on a model whose vocabulary 
 random-init Qwen3 of 2 layers, hidden 256, tied embeddings, so that the logits dominate as they do at
 real scale: written once to ``--model-dir``), one packed micro batch of ``--tokens`` positions:
 
-    arms      chunked (policy.logprob_chunk_tokens = null: auto) and whole (= 0)
+    arms      chunked (policy.logprob_chunk_tokens = null: auto), whole (= 0), and handoff: chunked
+              with the co-trained drafter's handoff (the last stage's on_logits callback receives the
+              filtered, tempered logits [b, S, V/tp] of each micro batch and keeps them to the end of
+              the step, as cotrain/rl/draft_stage.py does; the drafter itself is left out)
     measured  peak tensor memory above the level before the call (the PyTorch profiler's allocation
               events: independent of the allocator's caching) and seconds, for the log-prob
               recomputation (no grad) and the training step (forward + backward + optimizer)
@@ -79,7 +82,13 @@ def run(args) -> dict:
     chunk = [] if args.chunk is None else [f"policy.logprob_chunk_tokens={args.chunk}"]
     cfgs = {"chunked": load_config(ROOT / "configs/grpo.yaml", base + chunk),
             "whole": load_config(ROOT / "configs/grpo.yaml", base + ["policy.logprob_chunk_tokens=0"])}
+    cfgs["handoff"] = cfgs["chunked"]
     worker = MegatronPolicyWorker(cfgs["chunked"], str(model), 0, 1, "127.0.0.1", find_free_port())
+    held: list = []  # the handoff arm's logits, kept until its step ends (as the drafter keeps them)
+    token_logprobs = worker._token_logprobs
+
+    def with_handoff(model, mb, on_logits=None):
+        return token_logprobs(model, mb, held.append if torch.is_grad_enabled() else on_logits)
     batch = make_batch(args.tokens, args.vocab)
     arms = list(cfgs)
     lps = {}
@@ -92,7 +101,7 @@ def run(args) -> dict:
         worker.train_step(batch)
 
         for r in tqdm(range(args.rounds), desc="rounds"):
-            order = arms[r % 2:] + arms[:r % 2]
+            order = arms[r % len(arms):] + arms[:r % len(arms)]
             for arm in order:  # both arms' log-probs on the same weights, then both steps
                 worker.cfg = cfgs[arm]
                 t0 = time.perf_counter()
@@ -103,9 +112,12 @@ def run(args) -> dict:
             batch.old_logprobs = lps["whole"]
             for arm in order:
                 worker.cfg = cfgs[arm]
+                worker._token_logprobs = with_handoff if arm == "handoff" else token_logprobs
                 t0 = time.perf_counter()
                 out[arm]["train_mib"].append(peak_allocated_mib(lambda: worker.train_step(batch)))
                 out[arm]["train_s"].append(time.perf_counter() - t0)
+                worker._token_logprobs = token_logprobs
+                held.clear()
     finally:
         worker.shutdown()
     logits_mib = args.tokens * args.vocab * 4 / 2**20
@@ -114,6 +126,8 @@ def run(args) -> dict:
         summary[arm] = {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in out[arm].items()}
     summary["train_memory_ratio"] = statistics.median(
         c / w for c, w in zip(out["chunked"]["train_mib"], out["whole"]["train_mib"]))
+    summary["handoff_extra_mib"] = statistics.median(
+        h - c for h, c in zip(out["handoff"]["train_mib"], out["chunked"]["train_mib"]))
     summary["logprobs_max_abs_diff"] = (lps["chunked"] - lps["whole"]).abs().max().item()  # the last round's
     return {"vocab": args.vocab, "tokens": args.tokens, "rounds": args.rounds, "chunk": args.chunk,
             "one_logits_copy_mib": logits_mib,
@@ -129,13 +143,13 @@ def plot(res: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     keys = [("logprobs_mib", "log-probs (no grad)"), ("train_mib", "train step")]
-    for i, arm in enumerate(("whole", "chunked")):
+    for i, arm in enumerate(a for a in ("whole", "chunked", "handoff") if a in res["summary"]):
         s = res["summary"][arm]
         med = [s[k]["median"] for k, _ in keys]
         err = [[m - s[k]["min"] for (k, _), m in zip(keys, med)], [s[k]["max"] - m for (k, _), m in zip(keys, med)]]
-        ax.bar([j + 0.38 * i for j in range(len(keys))], med, 0.38, yerr=err, label=arm)
+        ax.bar([j + 0.27 * i for j in range(len(keys))], med, 0.27, yerr=err, label=arm)
     ax.axhline(res["one_logits_copy_mib"], color="gray", ls="--", lw=1, label="one [tokens, V] fp32 copy")
-    ax.set_xticks([j + 0.19 for j in range(len(keys))], [lbl for _, lbl in keys])
+    ax.set_xticks([j + 0.27 for j in range(len(keys))], [lbl for _, lbl in keys])
     ax.set_ylabel("peak tensor memory (MiB)")
     ax.set_title(f"log-probs at V = {res['vocab']:,}, {res['tokens']} tokens")
     ax.legend(fontsize=8)
@@ -165,7 +179,8 @@ def main(argv: list[str] | None = None) -> dict:
     plot(res, out.with_suffix(".png"))
     s = res["summary"]
     print(f"V={args.vocab} tokens={args.tokens}: train step peak {s['whole']['train_mib']['median']:.0f} MiB whole, "
-          f"{s['chunked']['train_mib']['median']:.0f} MiB chunked (x{s['train_memory_ratio']:.2f}); one logits copy "
+          f"{s['chunked']['train_mib']['median']:.0f} MiB chunked (x{s['train_memory_ratio']:.2f}), +"
+          f"{s['handoff_extra_mib']:.0f} MiB with the drafter's handoff; one logits copy "
           f"{res['one_logits_copy_mib']:.0f} MiB -> {out}")
     return res
 

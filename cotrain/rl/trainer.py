@@ -259,23 +259,30 @@ class MegatronPolicyWorker:
             hidden = model(mb.inputs, pos, None, **kwargs)
         finally:
             del head.forward
-        seen = [] if on_logits is not None else None
+        # on_logits' copy [b, s, V/tp], filled chunk by chunk in the forward (one buffer: no list of
+        # chunks to concatenate); the backward's recomputation of a chunk writes nothing
+        seen: dict = {"buf": None, "recording": on_logits is not None}
 
-        def piece(h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        def piece(h: torch.Tensor, targets: torch.Tensor, a: int) -> torch.Tensor:
             logits = head(h.transpose(0, 1), weight=weight)[0].transpose(0, 1)  # [b, c, V/tp]
-            # a copy for on_logits: Megatron's cross-entropy overwrites its input in place
-            keep = None if seen is None else (lambda x: seen.append(x.clone()))
-            return self._logprobs_from_logits(logits, targets, keep)
+
+            def keep(x: torch.Tensor) -> None:  # a copy: Megatron's cross-entropy overwrites its input in place
+                if seen["buf"] is None:
+                    seen["buf"] = x.new_empty(b, s, x.shape[-1])
+                seen["buf"][:, a:a + x.shape[1]].copy_(x)
+
+            return self._logprobs_from_logits(logits, targets, keep if seen["recording"] else None)
 
         out = []
         for a in range(0, s, chunk):
             h, t = hidden[:, a:a + chunk], mb.targets[:, a:a + chunk]
             if torch.is_grad_enabled():
-                out.append(torch.utils.checkpoint.checkpoint(piece, h, t, use_reentrant=False))
+                out.append(torch.utils.checkpoint.checkpoint(piece, h, t, a, use_reentrant=False))
             else:
-                out.append(piece(h, t))
-        if seen is not None:
-            on_logits(torch.cat(seen, dim=1))
+                out.append(piece(h, t, a))
+        if seen["recording"]:
+            seen["recording"] = False
+            on_logits(seen.pop("buf"))
         return torch.cat(out, dim=1)
 
     def _chunk_positions(self, rows: int, vocab_local: int) -> int:
