@@ -594,11 +594,11 @@ def summarize_result(result: dict) -> dict:
 
 def latency_arm(name: str, latency: float) -> str:
     """The arm ``name`` of the multi-turn workload at tool latency ``latency`` seconds."""
-    return f"{name}@{latency:g}s"
+    return f"{name}_lat{latency:g}s"
 
 
 def split_latency(arm: str) -> tuple[str, float]:
-    name, lat = arm.rsplit("@", 1)
+    name, lat = arm.rsplit("_lat", 1)
     return name, float(lat[:-1])
 
 

@@ -1,7 +1,7 @@
 """The multi-turn workload's summary (``python bench/cotrain_e2e.py --workload calc``): the Amdahl reading.
 
 The arms (plain, frozen_<kind>, cotrained_<kind>) run once per tool latency L (``env.tool_latency_s``),
-named ``<arm>@<L>s``, all interleaved step by step on the same seeds. Per latency and arm, over the
+named ``<arm>_lat<L>s``, all interleaved step by step on the same seeds. Per latency and arm, over the
 steps after the warm-up (``time/*`` of the run's metrics):
 
     T  step        time/step: rollout + update + weight push
@@ -45,8 +45,8 @@ def _mean(v: list[float]) -> float:
 
 
 def by_latency(arms: dict[str, list[dict]], latency: float) -> dict[str, list[dict]]:
-    """The arms of one tool latency, named without their ``@<L>s`` suffix."""
-    tag = f"@{latency:g}s"
+    """The arms of one tool latency, named without their ``_lat<L>s`` suffix."""
+    tag = f"_lat{latency:g}s"
     return {n[: -len(tag)]: ms for n, ms in arms.items() if n.endswith(tag)}
 
 
@@ -182,7 +182,7 @@ def plot_multiturn(result: dict, png: Path) -> None:
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax[0].set_title("median seconds per step")
     ax[0].tick_params(axis="x", rotation=35, labelsize=7)
-    lat = f"@{result['tool_latencies'][0]:g}s"
+    lat = f"_lat{result['tool_latencies'][0]:g}s"
     for i, name in enumerate(n for n in names if n.endswith(lat) and not n.startswith("plain")):
         for t, ls in zip(TURNS, ("-", "--", ":", "-.")):
             v = [m.get(f"spec/acceptance_length_turn{t}", float("nan")) for m in arms[name]]

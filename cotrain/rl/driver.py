@@ -286,16 +286,18 @@ class GrpoRun:
         return SamplingSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
                             seed=mix(self.cfg.run.seed, step) + round * 2**32)
 
-    def generate_groups(self, problems: list[Problem], sampling: SamplingSpec) -> GenerationResult:
-        """grpo.group_size samples of each problem's response from the engines: one turn, or with a
-        multi-turn environment (env.kind, rollout.max_turns > 1) the turn loop of cotrain.rl.multiturn."""
+    def generate_groups(self, problems: list[Problem], sampling: SamplingSpec, n: int | None = None) -> GenerationResult:
+        """``n`` (default grpo.group_size) samples of each problem's response from the engines: one turn,
+        or with a multi-turn environment (env.kind, rollout.max_turns > 1) the turn loop of
+        cotrain.rl.multiturn."""
+        n = self.cfg.grpo.group_size if n is None else n
         if self.cfg.rollout.max_turns > 1:
             if getattr(self, "turn_loop", None) is None:
                 from cotrain.rl.multiturn import TurnLoop
 
                 self.turn_loop = TurnLoop.from_config(self.cfg, self.model_path)
-            return self.turn_loop.generate(self.rollout, problems, sampling, n=self.cfg.grpo.group_size)
-        return self.rollout.generate([p.prompt for p in problems], sampling, n=self.cfg.grpo.group_size)
+            return self.turn_loop.generate(self.rollout, problems, sampling, n=n)
+        return self.rollout.generate([p.prompt for p in problems], sampling, n=n)
 
     def draw_groups(self, step: int, version: int | None = None) -> StepGroups:
         """The step's groups: one round of prompts_per_step prompts, then (grpo.resample_rounds,
@@ -462,9 +464,11 @@ class GrpoRun:
     def evaluate(self) -> dict[str, float]:
         e = self.cfg.data.eval
         spec = SamplingSpec(temperature=e.temperature, max_tokens=self.cfg.rollout.sampling.max_tokens, seed=0)
-        gen = self.rollout.generate([p.prompt for p in self.eval_problems], spec, n=1)
+        # one sample per held-out problem, through the turn loop with a multi-turn environment (the
+        # environment's grading of the final answer: ``accuracy``)
+        gen = self.generate_groups(self.eval_problems, spec, n=1)
         r = score(self.cfg, gen.samples, self.eval_problems)
-        return {"eval/accuracy": (r == self.cfg.reward.correct).float().mean().item()}
+        return {"eval/accuracy": accuracy(self.cfg, [s for row in gen.samples for s in row], r.flatten())}
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> None:
