@@ -13,6 +13,8 @@ steps after the warm-up (``time/*`` of the run's metrics):
     ratios vs plain        plain / arm, of R, G, E and T: over the sums, and per step as median [min, max]
     Amdahl                 the step ratio if only the generation changed, by s = sum G_p / sum G_a:
                            sum T_p / (sum T_p - sum G_p + sum G_p / s)
+    what if (plain)        the same with the paper's multi-turn rollout speed-ups s = 1.75 and 2.23 applied
+                           to plain's generation: the step ratio this workload's time split allows
 
 and the acceptance per policy turn t (vLLM's ``spec/acceptance_length_turn<t>``; the co-trained
 drafter's offline ``draft/acceptance_offline_turn<t>``), each the mean over the first / last ``tail``
@@ -26,6 +28,7 @@ import statistics
 from pathlib import Path
 
 TURNS = (1, 2, 3, 4)
+PAPER_ROLLOUT = (1.75, 2.23)  # the paper's multi-turn (agentic) rollout speed-ups
 
 
 def _gen(m: dict) -> float:
@@ -60,7 +63,11 @@ def summarize_latency(arms: dict[str, list[dict]], tail: int, warmup: int) -> di
         a = {f"{k}_s": _range(_values(ms, key)) for k, key in keys.items()}
         a["env_share"] = tot["env"] / tot["step"] if tot["step"] else float("nan")
         a["per_step_env_share"] = _range([m.get("time/env", 0.0) / m["time/step"] for m in ms if m.get("time/step")])
-        if name != "plain":
+        if name == "plain":
+            a["step_ratio_if_generation"] = {f"{x:g}": tot["step"] / (tot["step"] - tot["generation"] + tot["generation"] / x)
+                                             for x in PAPER_ROLLOUT}
+            a["generation_share"] = tot["generation"] / tot["step"] if tot["step"] else float("nan")
+        else:
             p = timed["plain"]
             ptot = {k: sum(_values(p, key)) for k, key in keys.items()}
             for k, key in keys.items():
@@ -104,7 +111,9 @@ def summarize_multiturn(arms: dict[str, list[dict]], kinds: list[str], latencies
                          "generation_ratio": a["generation_ratio"], "env_ratio": a["env_ratio"],
                          "step_ratio": a["step_ratio"], "per_step_rollout_ratio": a["per_step_rollout_ratio"],
                          "per_step_step_ratio": a["per_step_step_ratio"], "amdahl_step_ratio": a["amdahl_step_ratio"]})
-    return {"by_latency": by, "amdahl": rows, "kinds": kinds,
+    what_if = {lat: {"generation_share": s["plain"]["generation_share"], "env_share": s["plain"]["env_share"],
+                     "step_ratio_if_generation": s["plain"]["step_ratio_if_generation"]} for lat, s in by.items()}
+    return {"by_latency": by, "amdahl": rows, "what_if": what_if, "kinds": kinds,
             "note": "ratios = plain / arm (> 1: the arm is faster); generation = time/rollout - time/env; amdahl = "
                     "the step ratio if only the generation changed (bench/multiturn_summary.py)"}
 
@@ -132,6 +141,14 @@ def markdown_multiturn(result: dict) -> str:
                       f"{a['step_ratio']:.2f}x | {_r(a['per_step_step_ratio'])} | {a['amdahl_step_ratio']:.2f}x |")
             out.append(f"| {lat} s | {name} | {a['step_s']['median']:.2f} | {a['rollout_s']['median']:.2f} | "
                        f"{a['env_s']['median']:.2f} | {100 * a['env_share']:.1f}% " + ratios)
+    out += ["", "What this time split allows: the plain arm's step with its generation sped up by the paper's multi-turn "
+            "rollout speed-ups (1.75x and 2.23x), everything else as measured (Amdahl):", "",
+            "| tool latency | generation share of the plain step | env share | step ratio at 1.75x | at 2.23x |",
+            "|---|---|---|---|---|"]
+    for lat, w_ in S.get("what_if", {}).items():
+        r = w_["step_ratio_if_generation"]
+        out.append(f"| {lat} s | {100 * w_['generation_share']:.1f}% | {100 * w_['env_share']:.1f}% | {r['1.75']:.2f}x | "
+                   f"{r['2.23']:.2f}x |")
     out += ["", "Acceptance per policy turn (vLLM's tokens per verification round, turn 1 / turn 2 / ...; mean of the "
             "first -> last steps; offline: the co-trained drafter's own estimate on the batch's chains), reward (first "
             "-> last steps), right final answers (mean over steps) and KL to the initial policy at the last step:", "",

@@ -56,6 +56,9 @@ def test_ratios_env_share_and_amdahl_by_hand():
     assert c["per_step_step_ratio"] == {"median": pytest.approx(1.25), "min": pytest.approx(1.25),
                                         "max": pytest.approx(1.25)}
     assert at["frozen_dflash"]["step_ratio"] == pytest.approx(10 / 9)
+    # plain's generation (4 of 10 s) 2.23x faster: 10 / (6 + 4 / 2.23)
+    assert s["what_if"]["0.2"]["step_ratio_if_generation"]["2.23"] == pytest.approx(10 / (6 + 4 / 2.23))
+    assert s["what_if"]["0.2"]["generation_share"] == pytest.approx(0.4)
     # no tool latency: no env share, the whole rollout is generation
     z = s["by_latency"]["0"]["cotrained_dflash"]
     assert z["env_share"] == 0 and z["rollout_ratio"] == pytest.approx(2.0) and z["step_ratio"] == pytest.approx(8 / 6)
