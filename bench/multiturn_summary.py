@@ -4,7 +4,7 @@ The arms (plain, frozen_<kind>, cotrained_<kind>) run once per tool latency L (`
 named ``<arm>_lat<L>s``, all interleaved step by step on the same seeds. Per latency and arm, over the
 steps after the warm-up (``time/*`` of the run's metrics):
 
-    T  step        time/step: rollout + update + weight push
+    T  step        time/step: rollout + update (the drafter's step included) + weight push
     R  rollout     time/rollout = G + E
     E  env         time/env: the environment's steps (tool execution and latency)
     G  generation  R - E: the engines' turns
@@ -56,7 +56,8 @@ def by_latency(arms: dict[str, list[dict]], latency: float) -> dict[str, list[di
 def summarize_latency(arms: dict[str, list[dict]], tail: int, warmup: int) -> dict:
     """One latency's arms (named without the suffix; ``plain`` among them): the module docstring's keys."""
     timed = {n: ms[warmup:] if len(ms) > warmup else ms for n, ms in arms.items()}
-    keys = {"step": "time/step", "rollout": "time/rollout", "env": "time/env", "generation": "generation"}
+    keys = {"step": "time/step", "rollout": "time/rollout", "env": "time/env", "generation": "generation",
+            "update": "time/update"}
     out = {}
     for name, ms in timed.items():
         tot = {k: sum(_values(ms, key)) for k, key in keys.items()}
@@ -132,15 +133,15 @@ def markdown_multiturn(result: dict) -> str:
     out = [f"Time split per tool latency (steps {w + 1}-{result['steps']}; seconds per step as median; ratios = "
            "plain / arm, over the sums and per step as median [min, max]; generation = rollout - env; Amdahl = the "
            "step ratio if only the generation had changed):", "",
-           "| tool latency | arm | step s | rollout s | env s | env share of the step | rollout ratio | per step | "
-           "generation ratio | step ratio | per step | Amdahl |", "|" + "---|" * 12]
+           "| tool latency | arm | step s | rollout s | env s | update s | env share of the step | rollout ratio | "
+           "per step | generation ratio | step ratio | per step | Amdahl |", "|" + "---|" * 13]
     for lat, s in S["by_latency"].items():
         for name, a in s.items():
             ratios = ("| - | - | - | - | - | - |" if name == "plain" else
                       f"| {a['rollout_ratio']:.2f}x | {_r(a['per_step_rollout_ratio'])} | {a['generation_ratio']:.2f}x | "
                       f"{a['step_ratio']:.2f}x | {_r(a['per_step_step_ratio'])} | {a['amdahl_step_ratio']:.2f}x |")
             out.append(f"| {lat} s | {name} | {a['step_s']['median']:.2f} | {a['rollout_s']['median']:.2f} | "
-                       f"{a['env_s']['median']:.2f} | {100 * a['env_share']:.1f}% " + ratios)
+                       f"{a['env_s']['median']:.2f} | {a['update_s']['median']:.2f} | {100 * a['env_share']:.1f}% " + ratios)
     out += ["", "What this time split allows: the plain arm's step with its generation sped up by the paper's multi-turn "
             "rollout speed-ups (1.75x and 2.23x), everything else as measured (Amdahl):", "",
             "| tool latency | generation share of the plain step | env share | step ratio at 1.75x | at 2.23x |",

@@ -76,7 +76,7 @@ def test_report_markdown_from_the_json(tmp_path, capsys):
     path.write_text(json.dumps(result))
     assert cotrain_e2e.main(["--report", str(path), "--markdown"]) == 0
     md = capsys.readouterr().out
-    assert "| 0.2 s | cotrained_dflash | 8.00 | 4.00 | 2.00 | 25.0% | 1.50x |" in md
+    assert "| 0.2 s | cotrained_dflash | 8.00 | 4.00 | 2.00 | 3.50 | 25.0% | 1.50x |" in md
     assert "| 0.2 s | cotrained_dflash | 1.90 / 1.60 | 1.90 / 2.20 |" in md
     assert json.loads(path.read_text())["summary"]["by_latency"]["0.2"]["plain"]["env_share"] == pytest.approx(0.2)
     assert path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
