@@ -55,6 +55,15 @@ seconds per phase of every arm.
                                                          # the arm's own chains (draft.compare_frozen)
     python bench/cotrain_e2e.py --staleness 0,1 --kinds dflash --peers none   # synchronous vs asynchronous
     python bench/cotrain_e2e.py --quick                  # smoke test: the tiny model, 2 steps, DFlash, n-gram
+    python bench/cotrain_e2e.py --workload calc --tool-latency 0,1 --steps 24
+                                                         # multi-turn: configs/calc.yaml (the calculator tool),
+                                                         # plain / frozen / co-trained DFlash once per tool latency
+
+Multi-turn (``--workload calc``; ``bench/multiturn_summary.py``): arms ``<arm>_lat<L>s`` per tool latency L
+(``env.tool_latency_s``), all interleaved; per latency the env share of the step, rollout / generation / env /
+step ratios to plain (sums and per step, median [min, max]), Amdahl's step ratio from the generation ratio,
+the step ratio the paper's rollout speed-ups would give on plain's time split, and vLLM's acceptance per
+policy turn; ``bench/results/multiturn_e2e.json`` and its PNG.
 
 Asynchronous arms (``summary["async"]``, and ``<out>_async.png``): per pair (sync arm, its async twin)
 the step time over the steady steps (after the warm-up, before the last: there both arms draw one
