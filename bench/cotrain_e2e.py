@@ -55,6 +55,15 @@ seconds per phase of every arm.
                                                          # the arm's own chains (draft.compare_frozen)
     python bench/cotrain_e2e.py --staleness 0,1 --kinds dflash --peers none   # synchronous vs asynchronous
     python bench/cotrain_e2e.py --quick                  # smoke test: the tiny model, 2 steps, DFlash, n-gram
+    python bench/cotrain_e2e.py --workload calc --tool-latency 0,1 --steps 24
+                                                         # multi-turn: configs/calc.yaml (the calculator tool),
+                                                         # plain / frozen / co-trained DFlash once per tool latency
+
+Multi-turn (``--workload calc``; ``bench/multiturn_summary.py``): arms ``<arm>_lat<L>s`` per tool latency L
+(``env.tool_latency_s``), all interleaved; per latency the env share of the step, rollout / generation / env /
+step ratios to plain (sums and per step, median [min, max]), Amdahl's step ratio from the generation ratio,
+the step ratio the paper's rollout speed-ups would give on plain's time split, and vLLM's acceptance per
+policy turn; ``bench/results/multiturn_e2e.json`` and its PNG.
 
 Asynchronous arms (``summary["async"]``, and ``<out>_async.png``): per pair (sync arm, its async twin)
 the step time over the steady steps (after the warm-up, before the last: there both arms draw one
@@ -84,6 +93,7 @@ PHASES = ("time/rollout", "time/update", "time/draft", "time/weight_push")
 DISTILL = {"bench_small": {"dflash": "configs/distill_small_dflash.yaml", "eagle3": "configs/distill_small_eagle3.yaml"},
            "grpo": {"dflash": "configs/distill_dflash.yaml", "eagle3": "configs/distill_eagle3.yaml"}}
 DISTILL["demo"] = DISTILL["grpo"]  # the demo's drafters are the tiny model's
+DISTILL["calc"] = {"dflash": "configs/distill_calc_dflash.yaml"}  # builtin:calc's (the multi-turn workload)
 EAGLE3 = ["draft.eagle3.tap_layers=null", "draft.eagle3.ttt_steps=4"]  # as distilled (default taps)
 
 
@@ -389,6 +399,9 @@ def run(args) -> dict:
     for k in staleness:  # the async twin of plain and of every co-trained arm
         for name in [n for n, sp in specs.items() if n == "plain" or sp[1] == "cotrained"]:
             specs[async_arm(name, k)] = specs[name]
+    latencies = getattr(args, "latencies", None)
+    if latencies is not None:  # the multi-turn workload: one set of arms per tool latency
+        specs = {latency_arm(n, lat): sp for lat in latencies for n, sp in specs.items()}
     out_root = Path(args.out).with_suffix("")
     runs: dict[str, GrpoRun] = {}
     last: dict[str, list] = {}  # the samples of each arm's latest rollout
@@ -398,6 +411,8 @@ def run(args) -> dict:
             ov = common + arm_overrides(base, kind, mode, args.k, args.schedule if kind else None, b or "teacher_forced",
                                         args.compare_frozen)
             ov += [f"run.seed={seed}", f"run.output_dir={out_root / name}", f"run.name={name}"]
+            if latencies is not None:
+                ov.append(f"env.tool_latency_s={split_latency(name)[1]}")
             if "_async" in name:
                 ov += [f"grpo.max_staleness={name.rsplit('_async', 1)[1]}",
                        f"grpo.importance_correction={args.async_correction}"]
@@ -550,7 +565,11 @@ KEEP = ("time/step", "time/start", "time/end", *PHASES, "time/draft_push", "tap/
         "time/rollout_wait", "async/policy_lag", "train/is_ratio_mean", "train/is_truncated_frac",
         "kl/train_infer", "spec/acceptance_length", "draft/acceptance_offline", "draft/loss", "response/length",
         "spec/acceptance_short", "spec/acceptance_long", "spec/responses_short", "spec/responses_long",
-        "draft/acceptance_offline_frozen", "draft/frozen_s")
+        "draft/acceptance_offline_frozen", "draft/frozen_s",
+        # multi-turn (--workload calc): the environment's seconds, per-turn acceptance, final-answer accuracy
+        "time/env", "env/steps", "env/tool_calls", "env/errors", "env/turns_mean", "reward/accuracy",
+        "response/env_tokens", *(f"spec/acceptance_length_turn{t}" for t in range(1, 5)),
+        *(f"draft/acceptance_offline_turn{t}" for t in range(1, 5)))
 
 
 def _result(args, kinds: list[str], peers: list[str], metrics: dict[str, list[dict]], steps: int) -> dict:
@@ -561,11 +580,35 @@ def _result(args, kinds: list[str], peers: list[str], metrics: dict[str, list[di
               "schedule": args.schedule, "long_tokens": args.long_tokens, "overrides": args.overrides, "arms": arms,
               "machine": machine_info()}
     result["warmup"] = args.warmup
-    result["summary"] = summarize(arms, kinds, tail=max(1, min(3, steps // 3)), peers=peers, warmup=args.warmup)
     result["staleness"], result["async_correction"] = args.staleness, args.async_correction
-    if any("_async" in n for n in arms):
-        result["summary"]["async"] = summarize_async(arms, warmup=args.warmup)
+    result["workload"] = getattr(args, "workload", "single_turn")
+    result["tool_latencies"] = getattr(args, "latencies", None)
+    result["summary"] = summarize_result(result)
     return result
+
+
+def summarize_result(result: dict) -> dict:
+    """The summary of a run's arms (written into the JSON, recomputed by ``--report``)."""
+    arms, kinds, steps, w = result["arms"], result["kinds"], result["steps"], result.get("warmup", 1)
+    tail = max(1, min(3, steps // 3))
+    if result.get("tool_latencies") is not None:
+        from bench.multiturn_summary import summarize_multiturn
+
+        return summarize_multiturn(arms, kinds, result["tool_latencies"], tail=tail, warmup=w)
+    summary = summarize(arms, kinds, tail=tail, peers=result.get("peers", []), warmup=w)
+    if any("_async" in n for n in arms):
+        summary["async"] = summarize_async(arms, warmup=w)
+    return summary
+
+
+def latency_arm(name: str, latency: float) -> str:
+    """The arm ``name`` of the multi-turn workload at tool latency ``latency`` seconds."""
+    return f"{name}_lat{latency:g}s"
+
+
+def split_latency(arm: str) -> tuple[str, float]:
+    name, lat = arm.rsplit("_lat", 1)
+    return name, float(lat[:-1])
 
 
 def report(result: dict) -> str:
@@ -744,10 +787,16 @@ def _async_png(out: Path) -> Path:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="configs/bench_small.yaml")
+    ap.add_argument("--workload", choices=("single_turn", "calc"), default="single_turn",
+                    help="calc: the multi-turn calculator task (configs/calc.yaml, builtin:calc, DFlash, k = 3, "
+                    "no peers, one plain seed, bench/results/multiturn_e2e.json), one set of arms per --tool-latency")
+    ap.add_argument("--tool-latency", metavar="S[,S...]", help="--workload calc: env.tool_latency_s values (seconds "
+                    "of artificial latency per tool call), e.g. 0,0.2; default 0")
+    ap.add_argument("--config", default=None, help="default configs/bench_small.yaml (calc: configs/calc.yaml)")
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--kinds", default="dflash,eagle3")
-    ap.add_argument("--k", type=int, default=4, help="draft tokens per round (rollout.speculative.num_speculative_tokens)")
+    ap.add_argument("--kinds", default=None, help="default dflash,eagle3 (calc: dflash)")
+    ap.add_argument("--k", type=int, default=None, help="draft tokens per round (rollout.speculative."
+                    "num_speculative_tokens); default 4 (calc: 3)")
     ap.add_argument("--peers", default="auto", help="model-free arms: auto (suffix if arctic-inference is "
                     "installed, else ngram), none, or a list of suffix,ngram")
     ap.add_argument("--long-tokens", type=int, default=48, help="responses this long or longer count as long "
@@ -758,13 +807,14 @@ def main(argv=None) -> int:
     ap.add_argument("--compare-frozen", action="store_true", help="co-trained arms also score a frozen copy of "
                     "their initial drafter on their own chains every step (draft.compare_frozen: the same policy "
                     "trajectory; its forward is in the step's time)")
-    ap.add_argument("--plain-seeds", type=int, choices=(1, 2), default=2, help="plain arms: 2 = seeds 0 and 1 "
-                    "(the noise band of reward and KL), 1 = seed 0 only (one arm less in memory)")
+    ap.add_argument("--plain-seeds", type=int, choices=(1, 2), default=None, help="plain arms: 2 = seeds 0 and 1 "
+                    "(the noise band of reward and KL), 1 = seed 0 only (one arm less in memory); default 2 (calc: 1)")
     ap.add_argument("--staleness", default="0", help="grpo.max_staleness values: 0 = the synchronous arms only; "
                     "e.g. 0,1 adds an asynchronous twin of plain and of every co-trained arm")
     ap.add_argument("--async-correction", default="tis", choices=("none", "tis", "mis"),
                     help="grpo.importance_correction of the asynchronous arms")
-    ap.add_argument("--out", default="bench/results/cotrain_e2e.json")
+    ap.add_argument("--out", default=None, help="default bench/results/cotrain_e2e.json (calc: "
+                    "bench/results/multiturn_e2e.json)")
     ap.add_argument("--quick", action="store_true", help="smoke test: configs/grpo.yaml (tiny), 2 steps, DFlash, small batch")
     ap.add_argument("--report", metavar="JSON", help="print the summary of an earlier run and redraw its PNG")
     ap.add_argument("--markdown", action="store_true", help="with --report: print docs/benchmarks.md's tables")
@@ -775,16 +825,28 @@ def main(argv=None) -> int:
     if args.report:
         result = json.loads(Path(args.report).read_text())
         result["warmup"] = args.warmup
-        result["summary"] = summarize(result["arms"], result["kinds"], tail=max(1, min(3, result["steps"] // 3)),
-                                      peers=result.get("peers", []), warmup=args.warmup)
-        if any("_async" in n for n in result["arms"]):
-            result["summary"]["async"] = summarize_async(result["arms"], warmup=args.warmup)
+        result["summary"] = summarize_result(result)
         Path(args.report).write_text(json.dumps(result, indent=1))
-        plot(result, Path(args.report).with_suffix(".png"))
-        plot_async(result, _async_png(Path(args.report)))
-        print(markdown(result) if args.markdown else report(result))
+        write_outputs(result, Path(args.report))
+        print(render(result, args.markdown))
         return 0
-    if args.quick:
+    calc = args.workload == "calc"
+    if args.tool_latency is not None and not calc:
+        raise SystemExit("--tool-latency: sets env.tool_latency_s, which acts only with --workload calc")
+    args.latencies = parse_latencies(args.tool_latency or "0") if calc else None
+    if calc:  # the multi-turn workload's defaults (each still set by its option)
+        args.config = args.config or "configs/calc.yaml"
+        args.kinds, args.k = args.kinds or "dflash", args.k or 3
+        args.peers = "none" if args.peers == "auto" else args.peers
+        args.plain_seeds = args.plain_seeds or 1
+        args.out = args.out or "bench/results/multiturn_e2e.json"
+    args.config, args.kinds = args.config or "configs/bench_small.yaml", args.kinds or "dflash,eagle3"
+    args.k, args.plain_seeds = args.k or 4, args.plain_seeds or 2
+    args.out = args.out or "bench/results/cotrain_e2e.json"
+    if args.quick and calc:  # the calc policy, 2 steps, a small batch
+        args.steps = 2
+        args.overrides = ["grpo.prompts_per_step=4", "grpo.group_size=4", *args.overrides]
+    elif args.quick:
         args.config, args.steps, args.kinds, args.k = "configs/grpo.yaml", 2, "dflash", 3
         args.peers = "ngram" if args.peers == "auto" else args.peers
         args.overrides = ["grpo.prompts_per_step=4", "grpo.group_size=4", "policy.micro_batch_size=16",
@@ -794,11 +856,40 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     out.with_suffix(".partial.json").unlink(missing_ok=True)
-    plot(result, out.with_suffix(".png"))
-    plot_async(result, _async_png(out))
-    print(report(result))
+    write_outputs(result, out)
+    print(render(result, False))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
+
+
+def parse_latencies(spec: str) -> list[float]:
+    """``--tool-latency``: env.tool_latency_s values in seconds (a comma list, each >= 0)."""
+    try:
+        values = [float(v) for v in spec.split(",") if v != ""]
+    except ValueError:
+        raise SystemExit(f"--tool-latency: {spec!r} is not a list of seconds (e.g. 0,0.2)") from None
+    if not values or min(values) < 0 or len(set(values)) != len(values):
+        raise SystemExit(f"--tool-latency: {spec!r} (allowed: distinct seconds >= 0, e.g. 0,0.2)")
+    return values
+
+
+def write_outputs(result: dict, out: Path) -> None:
+    """The PNGs beside the JSON ``out``."""
+    if result.get("tool_latencies") is not None:
+        from bench.multiturn_summary import plot_multiturn
+
+        plot_multiturn(result, out.with_suffix(".png"))
+        return
+    plot(result, out.with_suffix(".png"))
+    plot_async(result, _async_png(out))
+
+
+def render(result: dict, as_markdown: bool) -> str:
+    if result.get("tool_latencies") is not None:
+        from bench.multiturn_summary import markdown_multiturn, report_multiturn
+
+        return markdown_multiturn(result) if as_markdown else report_multiturn(result)
+    return markdown(result) if as_markdown else report(result)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ class DistillDataConfig(StrictModel):
     """Key of the prompt in the JSONL objects."""
     max_digits: Optional[Annotated[int, Field(ge=1, le=9)]] = None
     """Arithmetic task: most digits per operand. null = the built-in tiny model's task."""
+    ops: Optional[list[Literal["+", "-", "*"]]] = None
+    """Arithmetic task: its operators (builtin:calc's: ``["*"]``). null = the built-in tiny model's."""
     gcd: GcdTaskConfig = Field(default_factory=GcdTaskConfig)
     """Gcd task: its distribution (the defaults are the built-in small model's task)."""
     num_prompts: Annotated[int, Field(ge=1)] = 1000

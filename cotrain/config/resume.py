@@ -8,7 +8,8 @@ Every checkpoint holds the resolved config it was written under (``config.yaml``
     refused   what the checkpoint's state cannot follow (the model, its dtype, layer spec and
               parallel layout; the drafter's kind and architecture) or what would make the resumed
               run something other than a continuation (the data and its order: the prompt stream's
-              position is an index into them), each with its reason, before any worker starts
+              position is an index into them; the environment, env.kind, and the calculator's
+              rewards, env.calculator.*), each with its reason, before any worker starts
     applied   everything else (learning rates, loss settings, sampling, step counts, ...): the new
               value holds from the first resumed step on, and the driver says so
 """
@@ -37,6 +38,12 @@ _REFUSED = {
     "grpo.max_staleness": "the checkpoint holds the samples in flight of its staleness schedule (the next steps' "
                           "rollouts, sampled by policies it no longer holds)",
     "data.": "the prompt stream's position is an index into the data in its order",  # (data.eval.* applies)
+    # multi-turn: the environment poses the task and grades it; its rewards are recorded with the samples
+    # (samples in flight included), never recomputed. Its timing (env.timeout_s, env.tool_latency_s) applies.
+    "env.kind": "the environment defines the task the run's policy is trained on and the rewards recorded with "
+                "its samples (samples in flight included)",
+    "env.calculator.": "the calculator's rewards are recorded with the samples (samples in flight included), "
+                       "never recomputed",
 }
 
 #: drafter settings that shape its weights (the rest are training settings and apply)

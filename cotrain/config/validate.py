@@ -934,7 +934,7 @@ def resume_issues(cfg: CotrainConfig, step_dir: Path | None = None) -> list[Issu
 def check_env(cfg: CotrainConfig) -> list[Issue]:
     """env and rollout.max_turns (cotrain/envs, cotrain/rl/multiturn.py): a multi-turn environment
     needs a second turn, a one-turn one cannot use one; the keys of a tool environment act only with
-    one; evaluation (data.eval) is single-turn."""
+    one. (Evaluation, data.eval, runs the same turn loop: GrpoRun.evaluate.)"""
     env, turns = cfg.env, cfg.rollout.max_turns
     defaults = type(env)()
     issues: list[Issue] = []
@@ -951,9 +951,6 @@ def check_env(cfg: CotrainConfig) -> list[Issue]:
                        f"second turn; rollout.max_turns={turns})"))
     if env.kind != "calculator" and env.calculator != defaults.calculator:
         issues.append(("env.calculator", "acts only with env.kind=calculator"))
-    if env.kind != "single_turn" and cfg.data.eval.every:
-        issues.append(("data.eval.every", f"{cfg.data.eval.every}: the held-out evaluation is single-turn, it "
-                       f"would grade turn 1 of env.kind={env.kind} alone (allowed with a multi-turn env: 0)"))
     return issues
 
 

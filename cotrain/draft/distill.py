@@ -55,7 +55,7 @@ def load_prompts(cfg: DistillDataConfig, n: int, seed: int) -> list[str]:
         from cotrain.tasks.data import arithmetic_dataset
 
         digits = cfg.max_digits or TINY_TASK["max_digits"]
-        return [p.prompt for p in arithmetic_dataset(n, seed=seed, max_digits=digits, ops=TINY_TASK["ops"])]
+        return [p.prompt for p in arithmetic_dataset(n, seed=seed, max_digits=digits, ops=tuple(cfg.ops or TINY_TASK["ops"]))]
     if cfg.task == "gcd":
         from cotrain.tasks.gcd import gcd_dataset
 

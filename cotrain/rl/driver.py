@@ -43,7 +43,7 @@ from cotrain.rl.interfaces import GenerationResult, Sample, SamplingSpec, Worker
 from cotrain.rl.metrics import MetricsLogger
 from cotrain.seeding import mix
 from cotrain.tasks.data import Problem, PromptStream
-from cotrain.tasks.rewards import exact_match_reward
+from cotrain.tasks.rewards import CORRECT, exact_match_reward
 
 
 # ---------------------------------------------------------------------------------------- pieces
@@ -84,6 +84,26 @@ def reward_metrics(samples, problems: list[Problem]) -> dict[str, float]:
     return {"reward/format_error": sum(o == FORMAT_ERROR for o in outcomes) / max(1, len(outcomes))}
 
 
+def accuracy(cfg, samples: list, rewards: torch.Tensor) -> float:
+    """``reward/accuracy``: the fraction of right final answers. Single-turn: reward == reward.correct;
+    multi-turn: the environment's grading of the last turn (``outcome`` of its last record), which a
+    call cost (env.calculator.call_cost) does not shift."""
+    if samples and samples[0].turns is not None:
+        return sum(s.turns[-1].get("outcome") == CORRECT for s in samples) / len(samples)
+    return (rewards == cfg.reward.correct).float().mean().item()
+
+
+def response_metrics(samples: list) -> dict[str, float]:
+    """``response/length``: the policy's tokens per response (a multi-turn sample's loss-mask ones:
+    never the environment's replies, which ``response/env_tokens`` counts), ``response/truncated``."""
+    policy = [sum(s.loss_mask) if s.loss_mask is not None else len(s.token_ids) for s in samples]
+    m = {"response/length": sum(policy) / len(samples),
+         "response/truncated": sum(s.finish_reason == "length" for s in samples) / len(samples)}
+    if samples[0].loss_mask is not None:
+        m["response/env_tokens"] = sum(len(s.token_ids) for s in samples) / len(samples) - m["response/length"]
+    return m
+
+
 def train_inference_kl(batch: TrainBatch) -> dict[str, float]:
     """How far the engines' sampling log-probs are from the trainer's on the same weights: the k3
     estimate of KL(engine || trainer) per response token, in float64 (>= 0; see grpo.k3_kl)."""
@@ -98,6 +118,10 @@ def rollout_metrics(gm: dict[str, float]) -> dict[str, float]:
     if "env_s" in gm:  # multi-turn: the environment's seconds (tool execution, latency) inside the rollout
         m["time/env"] = gm["env_s"]
         m.update({k: v for k, v in gm.items() if k.startswith("env/")})
+        m["env/turns_mean"] = gm["turns_mean"]
+        # vLLM's acceptance per policy turn (turn<t>/mean_acceptance_length of the turn loop)
+        m.update({f"spec/acceptance_length_turn{k[len('turn'):-len('/mean_acceptance_length')]}": v
+                  for k, v in gm.items() if k.startswith("turn") and k.endswith("/mean_acceptance_length")})
     if "mean_acceptance_length" in gm:
         m["spec/acceptance_length"] = gm["mean_acceptance_length"]
         m["spec/draft_acceptance_rate"] = gm["draft_acceptance_rate"]
@@ -262,16 +286,18 @@ class GrpoRun:
         return SamplingSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
                             seed=mix(self.cfg.run.seed, step) + round * 2**32)
 
-    def generate_groups(self, problems: list[Problem], sampling: SamplingSpec) -> GenerationResult:
-        """grpo.group_size samples of each problem's response from the engines: one turn, or with a
-        multi-turn environment (env.kind, rollout.max_turns > 1) the turn loop of cotrain.rl.multiturn."""
+    def generate_groups(self, problems: list[Problem], sampling: SamplingSpec, n: int | None = None) -> GenerationResult:
+        """``n`` (default grpo.group_size) samples of each problem's response from the engines: one turn,
+        or with a multi-turn environment (env.kind, rollout.max_turns > 1) the turn loop of
+        cotrain.rl.multiturn."""
+        n = self.cfg.grpo.group_size if n is None else n
         if self.cfg.rollout.max_turns > 1:
             if getattr(self, "turn_loop", None) is None:
                 from cotrain.rl.multiturn import TurnLoop
 
                 self.turn_loop = TurnLoop.from_config(self.cfg, self.model_path)
-            return self.turn_loop.generate(self.rollout, problems, sampling, n=self.cfg.grpo.group_size)
-        return self.rollout.generate([p.prompt for p in problems], sampling, n=self.cfg.grpo.group_size)
+            return self.turn_loop.generate(self.rollout, problems, sampling, n=n)
+        return self.rollout.generate([p.prompt for p in problems], sampling, n=n)
 
     def draw_groups(self, step: int, version: int | None = None) -> StepGroups:
         """The step's groups: one round of prompts_per_step prompts, then (grpo.resample_rounds,
@@ -350,9 +376,8 @@ class GrpoRun:
         m.update({
             "reward/mean": first.mean().item(),
             "reward/std": first.std().item(),
-            "reward/accuracy": (first == cfg.reward.correct).float().mean().item(),
-            "response/length": sum(len(s.token_ids) for s in first_flat) / len(first_flat),
-            "response/truncated": sum(s.finish_reason == "length" for s in first_flat) / len(first_flat),
+            "reward/accuracy": accuracy(cfg, first_flat, first),
+            **response_metrics(first_flat),
             "grpo/groups_with_signal": float(groups.with_signal),
             "grpo/resampled_prompts": float(groups.resampled_prompts),
             "train/skipped": 0.0 if update else 1.0,
@@ -439,9 +464,11 @@ class GrpoRun:
     def evaluate(self) -> dict[str, float]:
         e = self.cfg.data.eval
         spec = SamplingSpec(temperature=e.temperature, max_tokens=self.cfg.rollout.sampling.max_tokens, seed=0)
-        gen = self.rollout.generate([p.prompt for p in self.eval_problems], spec, n=1)
+        # one sample per held-out problem, through the turn loop with a multi-turn environment (the
+        # environment's grading of the final answer: ``accuracy``)
+        gen = self.generate_groups(self.eval_problems, spec, n=1)
         r = score(self.cfg, gen.samples, self.eval_problems)
-        return {"eval/accuracy": (r == self.cfg.reward.correct).float().mean().item()}
+        return {"eval/accuracy": accuracy(self.cfg, [s for row in gen.samples for s in row], r.flatten())}
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> None:

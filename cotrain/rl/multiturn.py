@@ -245,6 +245,7 @@ class TurnLoop:
                 c.records[-1]["reward"] = float(step.reward)
                 if step.done:
                     c.done, c.finish_reason, c.outcome = True, "stop", step.info.get("outcome")
+                    c.records[-1]["outcome"] = c.outcome  # the grading of the final answer (reward/accuracy)
                     if c.turns[-1].finish_reason == "length":
                         c.finish_reason = "length"
                     continue

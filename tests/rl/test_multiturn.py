@@ -277,7 +277,6 @@ def _cfg(*overrides):
     (["env.timeout_s=5.0"], "env.timeout_s", "acts only with a multi-turn environment"),
     (["env.tool_latency_s=0.5"], "env.tool_latency_s", "acts only with a multi-turn environment"),
     (["env.calculator.call_cost=0.1"], "env.calculator", "acts only with env.kind=calculator"),
-    (["env.kind=calculator", "rollout.max_turns=2", "data.eval.every=5"], "data.eval.every", "single-turn"),
 ])
 def test_config_refuses_keys_that_cannot_act(overrides, key, words):
     from cotrain.config import ConfigError
