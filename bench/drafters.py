@@ -38,7 +38,7 @@ redraws its PNGs: the docs' numbers come from there.
     python bench/drafters.py --gpu      # GPU sizes (all engines on one GPU; DSpark served too)
     python bench/drafters.py --report bench/results/drafters.json   # docs tables + PNG from the JSON
 
-Training path before / after (issue 17), no vLLM: ``--train-paths`` times the drafter training step
+Training path before / after, no vLLM: ``--train-paths`` times the drafter training step
 (forward, loss, backward, AdamW; one thread) of each family through the old path
 (``cotrain.draft.reference``: all-zero main queries and the dense oracle on buckets at CP = 1,
 losses on full (N, W, V) fp32 tensors) and the current one (kernel tiles, branch queries only,
@@ -64,6 +64,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.paths import recorded, recorded_args  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -234,7 +235,7 @@ def train_step_times(cfgs: dict, steps: int, warmup: int = 3) -> dict:
 
 
 # ----------------------------------------------------------------------------------- main
-# ------------------------------------------------------------------ training path: before / after (issue 17)
+# ------------------------------------------------------------------ training path: before / after
 # `--train-paths`: the drafter's training step through the old path (cotrain.draft.reference: all-zero
 # main queries and the dense oracle on buckets at CP = 1, losses in plain autograd on full (N, W, V)
 # fp32 tensors with host reads in every call) and through the current one (kernel tiles, branch
@@ -635,7 +636,7 @@ def main(argv=None) -> int:
         cfgs[kind] = cfg
         served = kind != "dspark" or cuda
         families[kind] = {"k": k, "offline_acceptance_len": off.walk_len, "offline_per_position": off.per_position,
-                          "vllm_serves": served, "drafter": str(run / "drafter"), "distill_steps": cfg.train.steps}
+                          "vllm_serves": served, "drafter": recorded(run / "drafter"), "distill_steps": cfg.train.steps}
         if served:
             specs[kind] = drafter.speculative_config(str(run / "drafter"), k)
         del drafter, batch
@@ -674,11 +675,11 @@ def main(argv=None) -> int:
             "long_c1": f"{min(len(prompts), a.c1_requests)} prompts, 1 per call, greedy, {a.long_tokens} tokens"}
     import vllm
 
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
+    config = recorded_args(a)
     config.update(command="python bench/drafters.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   device=torch.cuda.get_device_name(0) if cuda else "cpu", threads=1, torch=torch.__version__,
                   vllm=vllm.__version__, cpu_count=os.cpu_count(), date=time.strftime("%Y-%m-%d"),
-                  loadavg_start=load_start, loadavg_end=os.getloadavg(), loadavg_per_round=round_loadavg, target=tiny,
+                  loadavg_start=load_start, loadavg_end=os.getloadavg(), loadavg_per_round=round_loadavg, target=recorded(tiny),
                   engines=list(engines), engine_order="rotated each round; all engines alive throughout")
     data = {"config": config, "workloads": desc, "families": families, "throughput": arms, "ratios": ratios,
             "seconds": round(time.time() - t_start, 1)}

@@ -11,7 +11,7 @@ run the tests meant to catch it, and report which bugs went unnoticed.
 Each mutant is an exact text substitution in one file (``old`` must occur exactly once: a mutation
 whose code has moved on is reported ``stale``, not silently skipped). The scratch copy is the
 committed tree (``git archive HEAD``; ``--worktree``: the tracked and untracked files as they are
-in the working tree) under a temporary directory; /work/main's own files are never touched. The
+in the working tree) under a temporary directory; the checkout's own files are never touched. The
 focused tests run from the scratch copy with ``PYTHONPATH`` pointing at it (the editable install
 would otherwise import the real package; a canary checks this), one at a time, ``pytest -x``, each
 under ``--timeout`` seconds (the whole process group is killed on expiry).
@@ -293,7 +293,7 @@ MUTANTS: list[Mutant] = [
       "out = self.frozen(batch, layout", "out = self.drafter(batch, layout",
       ["tests/draft/test_online.py", "-k", "compare_frozen"],
       "draft.compare_frozen scores the co-trained drafter instead of its frozen copy"),
-    # issue 17: the chunked losses (derivatives written in the forward) and the training path's attention
+    # the chunked losses (derivatives written in the forward) and the training path's attention
     M("draft.loss_chunk_boundary", "cotrain/draft/losses.py",
       "n1 = min(n0 + chunk, N)", "n1 = min(n0 + chunk - 1, N)",
       ["tests/draft/test_losses.py", "-k", "chunk"], "a chunk's last chain is skipped at every boundary"),

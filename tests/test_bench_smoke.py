@@ -138,7 +138,7 @@ def test_drafters_bench(tmp_path):
 
 
 def test_drafters_train_paths_bench(tmp_path):
-    """The training-path comparison (issue 17): ratios recomputed from the per-round times and peaks,
+    """The training-path comparison (old path against the current one): ratios recomputed from the per-round times and peaks,
     both paths take the same first step (same drafter, batch and loss value: the paths are equal
     in value), and the current path computes fewer attention pairs for every family."""
     data = run_bench("drafters", tmp_path, "--train-paths")
@@ -209,7 +209,7 @@ def test_cotrain_e2e_bench(tmp_path):
             assert a["acceptance_short"] == pytest.approx(sum(x * n for x, n in w) / sum(n for _, n in w))
     assert S["arms"]["ngram"]["update_overhead"] == 0.0 and tot("ngram", "time/draft") == 0.0
     assert tot("cotrained_dflash", "time/draft") > 0 and tot("frozen_dflash", "time/draft") == 0.0
-    # issue 12's per-family keys: the co-trained arm's, with the frozen arm's beside them
+    # the per-family keys: the co-trained arm's, with the frozen arm's beside them
     s, c, f = S["dflash"], S["arms"]["cotrained_dflash"], S["arms"]["frozen_dflash"]
     assert (s["rollout_speedup"], s["e2e_speedup"], s["update_overhead"], s["tap_wait_fraction"]) == (
         c["rollout_speedup"], c["e2e_speedup"], c["update_overhead"], c["tap_wait_fraction"])

@@ -1,4 +1,4 @@
-"""SpecOPD: parallel on-policy drafter distillation from random anchors (issue 13).
+"""SpecOPD: parallel on-policy drafter distillation from random anchors.
 
 The reference (or rollout) tokens are the *stem*. B anchors are drawn on it from a seeded
 generator (the drafter's own anchor rule, ``build_layout``: a block drafter's sampled

@@ -34,7 +34,7 @@ def run_family(kind, target_path, rank, cp, group=None, blocks_on_rank=None, old
 
     blocks_on_rank (block drafters): anchors only among the candidates that CP rank (of a CP = 2
     layout) holds, the same anchors at any cp: the other rank owns no block.
-    old: the path before issue 17 (cotrain.draft.reference: all-zero main queries, dense buckets at
+    old: the earlier path (cotrain.draft.reference: all-zero main queries, dense buckets at
     CP = 1, the loss on full tensors)."""
     target = TargetSpec.from_checkpoint(target_path)
     d = build_drafter(kind, SETTINGS[kind], target, seed=3)

@@ -124,7 +124,7 @@ def test_draft_loss_dispatch_and_errors():
     assert loss.item() == 0.0
 
 
-# ----- every loss through draft_loss against a hand computation (issue 18) -----------------------------
+# ----- every loss through draft_loss against a hand computation ----------------------------------------
 # two positions, vocabulary of 3:
 #   z0 = (0, 0, 0)      -> q0 = (1/3, 1/3, 1/3);   p0 = (.5, .25, .25)
 #   z1 = (ln 2, 0, 0)   -> q1 = (1/2, 1/4, 1/4);   p1 = (.7, .2, .1)
@@ -259,7 +259,7 @@ def test_dspark_confidence_label_is_detached():
     torch.testing.assert_close(conf.grad[0], (torch.sigmoid(conf.detach()[0]) - label) / 2, atol=1e-6, rtol=0)
 
 
-# ----- chunked on the device (issue 17) against the old full-tensor autograd (cotrain.draft.reference) ----------
+# ----- chunked on the device against the old full-tensor autograd (cotrain.draft.reference) ----------
 def _random_case(seed, N=5, W=3, V=37, vocab=None):
     from cotrain.draft.vocab import DraftVocab
 
