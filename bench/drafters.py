@@ -40,7 +40,7 @@ redraws its PNGs: the docs' numbers come from there.
 
 Training path before / after, no vLLM: ``--train-paths`` times the drafter training step
 (forward, loss, backward, AdamW; one thread) of each family through the old path
-(``cotrain.draft.reference``: all-zero main queries and the dense oracle on buckets at CP = 1,
+(``reference.draft_path``: all-zero main queries and the dense oracle on buckets at CP = 1,
 losses on full (N, W, V) fp32 tensors) and the current one (kernel tiles, branch queries only,
 chunked on-device losses), on a random 2-layer target with a 32,768-token vocabulary; the two paths
 alternate step by step (order swapped every round), each round also measures each path's peak step
@@ -236,7 +236,7 @@ def train_step_times(cfgs: dict, steps: int, warmup: int = 3) -> dict:
 
 # ----------------------------------------------------------------------------------- main
 # ------------------------------------------------------------------ training path: before / after
-# `--train-paths`: the drafter's training step through the old path (cotrain.draft.reference: all-zero
+# `--train-paths`: the drafter's training step through the old path (reference.draft_path: all-zero
 # main queries and the dense oracle on buckets at CP = 1, losses in plain autograd on full (N, W, V)
 # fp32 tensors with host reads in every call) and through the current one (kernel tiles, branch
 # queries only, losses in chunks on the device), on a random target with a 32,768-token vocabulary.
@@ -278,7 +278,7 @@ def path_workload(seqs: int, seq_len: int, prompt: int) -> dict:
 def attention_pairs(drafter, batch, layout, old: bool) -> int:
     """Query-key pairs the forward's attention calls compute: the dense buckets' (tokens)^2 per call
     (old), or the kernel tiles' (ring plan + block-diagonal branches) with or without main queries."""
-    from cotrain.draft import reference
+    from reference import draft_path
     from cotrain.draft.common import BranchAttention
     from cotrain.parallel import default_kernel, ring_plan
 
@@ -288,7 +288,7 @@ def attention_pairs(drafter, batch, layout, old: bool) -> int:
     def count(self, q, *args, **kw):
         lay = self.layout
         if old:
-            total.append(sum((m1 - m0 + b1 - b0) ** 2 for _, m0, m1, b0, b1 in reference._buckets(lay, 128)))
+            total.append(sum((m1 - m0 + b1 - b0) ** 2 for _, m0, m1, b0, b1 in draft_path._buckets(lay, 128)))
         else:
             plan = ring_plan(lay, 0, "cpu", tile_cost_pairs=default_kernel("cpu").tile_cost_pairs,
                              main_queries=q is not None)
@@ -321,17 +321,17 @@ class PathArm:
     def step(self) -> float:
         import contextlib
 
-        from cotrain.draft import reference
+        from reference import draft_path
         from cotrain.draft.losses import draft_loss, target_dist, target_probs
 
         b, d = self.batch, self.drafter
         extra = {"l1_weight": 1.0, "confidence_weight": 1.0} if self.loss == "dspark_l1" else {}
         t0 = time.perf_counter()
-        with reference.dense_attention() if self.old else contextlib.nullcontext():
+        with draft_path.dense_attention() if self.old else contextlib.nullcontext():
             out = d(b, self.layout)
         labels = b.input_ids[(out.target_rows + 1).clamp(min=0, max=b.num_tokens - 1)]
         if self.old:
-            loss, m = reference.draft_loss(self.loss, out, target_probs(b.target_logits, out), labels, **extra)
+            loss, m = draft_path.draft_loss(self.loss, out, target_probs(b.target_logits, out), labels, **extra)
         else:
             loss, m = draft_loss(self.loss, out, target_dist(b.target_logits, out), labels, **extra)
         self.opt.zero_grad(set_to_none=True)

@@ -107,3 +107,16 @@ def test_the_checker_sees_lazy_imports():
     g = import_graph()
     assert "cotrain.draft.cache" in g["cotrain.rl.driver"]
     assert "cotrain.weights" in g["cotrain.rl.trainer"] or any(t.startswith("cotrain.weights") for t in g["cotrain.rl.trainer"])
+
+
+def test_the_package_imports_nothing_beside_it():
+    """cotrain imports neither the test oracles (``reference``) nor the tests, benchmarks, scripts or
+    launchers beside it, at any depth: the installed package stands alone."""
+    beside = {"reference", "tests", "bench", "scripts", "launch"}
+    bad = []
+    for p in (ROOT / "cotrain").rglob("*.py"):
+        for node in _runtime_imports(ast.parse(p.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            bad += [f"{p.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in beside]
+    assert not bad, bad
