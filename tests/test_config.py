@@ -503,6 +503,14 @@ def test_register_new_draft_kind(registry):
                  "draft.loss", "soft_ce is not available for draft.kind=medusa (allowed: hard_ce)")
     assert_issue(error_of(["draft.loss=l2"]), "draft.loss",
                  "allowed: null, soft_ce, forward_kl, hard_ce, e2e_tv, accept_weighted_tv, dspark_l1")
+    # its record names no on-policy branches: draft.branches=on_policy is refused, naming the kinds that have them
+    assert_issue(error_of(["draft.kind=medusa", "draft.loss=hard_ce", "draft.branches=on_policy",
+                           "rollout.speculative.method=medusa", "rollout.speculative.num_speculative_tokens=2"]),
+                 "draft.branches", "on_policy is built for kinds eagle3, dflash, dspark (cotrain.draft.specopd), not medusa")
+    with pytest.raises(ValueError, match="anchors 'some' is not"):
+        register_draft_kind(DraftKind("hydra", MedusaConfig, "x:Y", vllm_method=None, anchors="some"))
+    with pytest.raises(ValueError, match="branches 'tree' is not"):
+        register_draft_kind(DraftKind("hydra", MedusaConfig, "x:Y", vllm_method=None, branches="tree"))
     with pytest.raises(ValueError, match="already registered"):
         register_draft_kind(DraftKind("eagle3", MedusaConfig, "x:Y", vllm_method="eagle3"))
     with pytest.raises(ValueError, match="clashes"):

@@ -76,10 +76,9 @@ import torch.distributed as dist
 from cotrain.draft.acceptance import accept_lengths
 from cotrain.draft.common import DraftBatch, DraftOutput, turn_of
 from cotrain.draft.cp import fetch_rows
-from cotrain.draft.dflash import BlockDrafter
 from cotrain.draft.losses import TargetDist, draft_loss, target_dist
-from cotrain.draft.optim import apply_config, clip_, lr_at, make_optimizer, set_lr
-from cotrain.draft.registry import Drafter
+from cotrain.draft.optim import apply_config, clip_, lr_at, make_optimizer, remap_optimizer_rows, set_lr
+from cotrain.draft.registry import Drafter, record_of
 from cotrain.draft.vocab import DraftVocab, token_counts
 from cotrain.parallel.layout import spans
 from cotrain.seeding import mix
@@ -250,7 +249,7 @@ def branch_uniforms(seed: int, step: int, seq_ids: torch.Tensor, positions: torc
     return out
 
 
-def sample_block_anchors(drafter: BlockDrafter, batch: DraftBatch, seeds: list[int], per_seq: int) -> torch.Tensor:
+def sample_block_anchors(drafter: Drafter, batch: DraftBatch, seeds: list[int], per_seq: int) -> torch.Tensor:
     """Up to ``per_seq`` anchors per sequence among the drafter's candidates, sequence s drawn with a
     generator seeded ``seeds[s]`` (sorted packed positions)."""
     cand = drafter.anchor_candidates(batch)
@@ -284,10 +283,10 @@ class OnlineDraftTrainer:
         self.loss_name = draft_cfg.loss or draft_cfg.settings.default_loss
         self.branches = getattr(draft_cfg, "branches", "teacher_forced")
         self.eos_token_id = eos_token_id
-        if self.branches == "on_policy":
-            from cotrain.draft.specopd import _family
-
-            _family(drafter)  # dflash, dspark or eagle3 (raises for anything else)
+        self.record = record_of(drafter)  # what the family needs: its anchors, branches, vocabulary rows
+        if self.branches == "on_policy" and self.record.branches is None:
+            raise NotImplementedError(f"on-policy branches are not built for drafter kind {drafter.kind!r} "
+                                      "(its record names no branches)")
         self.loss_extra = {n: float(getattr(draft_cfg.settings, n)) for n in ("l1_weight", "confidence_weight")
                            if hasattr(draft_cfg.settings, n)}
         self.total_steps = int(total_steps)
@@ -302,6 +301,9 @@ class OnlineDraftTrainer:
         # reduced draft vocabulary: token counts since the mapping was last built, steps since then
         vocab: Optional[DraftVocab] = getattr(drafter, "vocab", None)
         self.vocab_every = int(getattr(drafter.cfg, "vocab_rebuild_every", 0) or 0)
+        if vocab is not None and self.record.vocab_rows is None:
+            raise ValueError(f"drafter kind {drafter.kind!r} has a reduced vocabulary but its record names no "
+                             "vocab_rows (the parameter whose optimizer state follows a rebuild)")
         self.vocab_counts = torch.zeros(vocab.vocab_size, dtype=torch.float64) if vocab is not None else None
         self.vocab_steps = 0
         # draft.budget (adaptive, max_steps > 1): recent steps' inputs for the extra optimizer steps
@@ -351,11 +353,12 @@ class OnlineDraftTrainer:
     def _layout_for(self, batch: DraftBatch, seq_ids: torch.Tensor, step: int):
         """The drafter's layout of ``batch`` at GRPO step ``step`` (anchors drawn per row; a replayed
         microbatch gets fresh anchors: ``step`` is then salted by the replay)."""
-        if isinstance(self.drafter, BlockDrafter) and self.drafter.cfg.anchor_sampling == "balanced":
+        sampled = self.record.anchors == "sampled"
+        if sampled and self.drafter.cfg.anchor_sampling == "balanced":
             # one draw for the microbatch, stratified by CP rank (identical on every rank of the group)
             g = torch.Generator().manual_seed(anchor_seed(self.seed, step, int(seq_ids[0])))
             return self.drafter.build_layout(batch, generator=g, cp_size=self.cp_size)
-        if isinstance(self.drafter, BlockDrafter):
+        if sampled:
             seeds = [anchor_seed(self.seed, step, s) for s in seq_ids.tolist()]
             anchors = sample_block_anchors(self.drafter, batch, seeds, int(self.drafter.cfg.anchors_per_seq))
             return self.drafter.build_layout(batch, cp_size=self.cp_size, anchors=anchors)
@@ -650,8 +653,6 @@ class OnlineDraftTrainer:
     # ------------------------------------------------------------------ reduced draft vocabulary
     def _vocab_step(self, counts: torch.Tensor, placeholder: bool) -> dict[str, float]:
         """Count the step's tokens (summed over the group) and build / rebuild the mapping when due."""
-        from cotrain.draft.eagle3 import remap_optimizer_rows
-
         self.vocab_counts += counts
         self.vocab_steps += 1
         vocab = self.drafter.vocab
@@ -659,7 +660,7 @@ class OnlineDraftTrainer:
         if placeholder or (self.vocab_every and self.vocab_steps >= self.vocab_every):
             new = DraftVocab.from_counts(self.vocab_counts, vocab.size, version=vocab.version + 1)
             src = self.drafter.set_vocab(new)
-            remap_optimizer_rows(self.optimizer, self.drafter.lm_head.weight, src)
+            remap_optimizer_rows(self.optimizer, self.drafter.get_parameter(self.record.vocab_rows), src)
             self.vocab_counts.zero_()
             self.vocab_steps = 0
             rebuilt = 1.0
