@@ -251,17 +251,8 @@ def branch_uniforms(seed: int, step: int, seq_ids: torch.Tensor, positions: torc
 
 def sample_block_anchors(drafter: Drafter, batch: DraftBatch, seeds: list[int], per_seq: int) -> torch.Tensor:
     """Up to ``per_seq`` anchors per sequence among the drafter's candidates, sequence s drawn with a
-    generator seeded ``seeds[s]`` (sorted packed positions)."""
-    cand = drafter.anchor_candidates(batch)
-    seq = batch.seq_of[cand]
-    out = []
-    for s in range(batch.num_seqs):
-        c = cand[seq == s]
-        if c.numel() > per_seq:
-            g = torch.Generator().manual_seed(int(seeds[s]))
-            c = torch.sort(c[torch.randperm(c.numel(), generator=g)[:per_seq]]).values
-        out.append(c)
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
+    generator seeded ``seeds[s]`` (sorted packed positions; the drafter's ``sample_anchors``)."""
+    return drafter.sample_anchors(batch, per_seq, [torch.Generator().manual_seed(int(s)) for s in seeds])
 
 
 class OnlineDraftTrainer:
