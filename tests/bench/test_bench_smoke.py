@@ -9,6 +9,7 @@ baselines, speculation leaving greedy output unchanged).
 """
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,10 @@ def run_bench(name: str, tmp_path: Path, *extra: str) -> dict:
                            "--png", str(png), *extra], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert png.stat().st_size > 10_000
-    return json.loads(out.read_text())
+    text = out.read_text()
+    # paths are recorded relative to the checkout or the model cache (bench/paths.py), never absolute
+    assert not re.findall(r'"/[^"/\s][^"]*"', text), re.findall(r'"/[^"/\s][^"]*"', text)[:5]
+    return json.loads(text)
 
 
 def _med(xs):
