@@ -42,8 +42,8 @@ Per third of the run (cotrain.rl.thirds.parts over steps 1..N: sizes as equal as
 points s > 1 in each), over the points' mean acceptances A:
 
     recovery         = (A_cotrained - A_frozen) / (A_ceiling - A_frozen)
-    cotrained share  = A_cotrained / A_ceiling        issue 27's goal: >= 0.95 in every third
-    frozen share     = A_frozen / A_ceiling           issue 27's goal: <= 0.90 in the last third
+    cotrained share  = A_cotrained / A_ceiling        the goal: >= 0.95 in every third
+    frozen share     = A_frozen / A_ceiling           the goal: <= 0.90 in the last third
 
 with the per-point ratios as median [min, max], and the drafter's share of the update over the
 third's steps (sum of time/draft / sum of time/update over all its steps, a step without a drafter
@@ -104,15 +104,6 @@ def point_steps(num_steps: int, every: int) -> list[int]:
     if every < 1:
         raise ValueError(f"--every {every}: must be >= 1")
     return list(range(1, num_steps + 1, every))
-
-
-def rel(path) -> str:
-    """``path`` relative to the repository when inside it, else its name (the JSON holds no absolute path)."""
-    p = Path(path).resolve()
-    try:
-        return str(p.relative_to(ROOT))
-    except ValueError:
-        return p.name
 
 
 def distill_recipe(cfg) -> str:
@@ -470,7 +461,7 @@ def part_summary(points: list[dict], steps: list[dict], lo: int, hi: int, kinds:
 
 
 def goals(thirds: list[dict], kind: str) -> dict[str, bool]:
-    """Issue 27's two acceptance goals against the ``kind`` ceiling (not met where a third has no point)."""
+    """The two acceptance goals against the ``kind`` ceiling (not met where a third has no point)."""
     v = [t["by_ceiling"][kind] for t in thirds]
     full = bool(thirds) and all(t["points"] for t in thirds)
     return {"cotrained_ge_95pct_of_ceiling_every_third": full and all(x["cotrained_share"] >= GOAL_COTRAINED for x in v),

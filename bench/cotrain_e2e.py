@@ -215,7 +215,7 @@ def summarize(arms: dict[str, list[dict]], kinds: list[str], tail: int, peers: l
         }
 
     out = {}
-    for kind in kinds:  # co-trained vs frozen per family (issue 12's keys), read from the per-arm summary
+    for kind in kinds:  # co-trained vs frozen per family, read from the per-arm summary
         c, f = per_arm[f"cotrained_{kind}"], per_arm[f"frozen_{kind}"]
         out[kind] = {
             "rollout_speedup": c["rollout_speedup"],
@@ -229,7 +229,7 @@ def summarize(arms: dict[str, list[dict]], kinds: list[str], tail: int, peers: l
             "per_step_rollout_speedup": c["per_step_rollout_speedup"],
             "per_step_e2e_speedup": c["per_step_e2e_speedup"],
             "per_step_frozen_rollout_speedup": f["per_step_rollout_speedup"],
-            # issue 12's goal: co-trained keeps >= 95% of its first acceptance, frozen loses >= 15%
+            # the goal: co-trained keeps >= 95% of its first acceptance, frozen loses >= 15%
             "acceptance_retained": {"frozen": f["acceptance_last"] / f["acceptance_first"],
                                     "cotrained": c["acceptance_last"] / c["acceptance_first"]},
         }
@@ -655,7 +655,7 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
-PAPER = {  # the paper's published ranges (../shared/seeds: Tab. 1, Tab. 2, section 3.5), for the tables
+PAPER = {  # the paper's published ranges (Tab. 1, Tab. 2, section 3.5), for the tables
     "acceptance": "2.28-4.78", "rollout_speedup": "1.19-2.23x", "e2e_speedup": "1.16-1.88x",
     "update_overhead": {"dflash": "< 15%", "dspark": "14.6%", "eagle3": "34%"}, "tap_wait_fraction": "1.5-2.2%"}
 
@@ -692,7 +692,7 @@ def markdown(result: dict) -> str:
         s = S[kind]
         out.append(f"| {kind} | {100 * s['update_overhead']:.1f}% | {PAPER['update_overhead'].get(kind, '-')} | "
                    f"{100 * s['tap_wait_fraction']:.2f}% | {PAPER['tap_wait_fraction']} |")
-    out += _head("Acceptance kept (last / first; issue 12's goal: co-trained >= 95%, frozen falls by >= 15%):",
+    out += _head("Acceptance kept (last / first; the goal: co-trained >= 95%, frozen falls by >= 15%):",
                  "family", "frozen", "co-trained", "co-trained on-policy")
     for kind in result["kinds"]:
         r = S[kind].get("acceptance_retained")

@@ -68,6 +68,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.paths import recorded_args  # noqa: E402
 # Large tensors on mmap: freed memory is returned at once, so the peak-RSS measurement is honest.
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
 
@@ -1594,7 +1595,7 @@ def main():
                 drafter.setdefault(name, []).append(row)
                 if row["max_diff"] > 1e-4:
                     raise SystemExit(f"drafter call {name}, CP {cp}: q=None differs from q=zeros by {row['max_diff']:.1e}")
-        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        config = recorded_args(args)
         config.update(torch=torch.__version__, threads_per_rank=1, cpu_count=os.cpu_count(),
                       command="python bench/cp_attention.py " + " ".join(sys.argv[1:]))
         out = args.out or ROOT / "bench" / "results" / "cp_attention_drafter.json"
@@ -1616,7 +1617,7 @@ def main():
                     raise SystemExit(f"drafter call {name}, CP {cp}: q=None differs from q=zeros by {row['max_diff']:.1e}")
     balance = balance_report(args)
 
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    config = recorded_args(args)
     layout, _, _ = make_workload(args, 1)
     config["seqlens"] = layout.seqlens.tolist()
     config["num_branches"] = layout.num_branches

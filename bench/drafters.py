@@ -38,9 +38,9 @@ redraws its PNGs: the docs' numbers come from there.
     python bench/drafters.py --gpu      # GPU sizes (all engines on one GPU; DSpark served too)
     python bench/drafters.py --report bench/results/drafters.json   # docs tables + PNG from the JSON
 
-Training path before / after (issue 17), no vLLM: ``--train-paths`` times the drafter training step
+Training path before / after, no vLLM: ``--train-paths`` times the drafter training step
 (forward, loss, backward, AdamW; one thread) of each family through the old path
-(``cotrain.draft.reference``: all-zero main queries and the dense oracle on buckets at CP = 1,
+(``reference.draft_path``: all-zero main queries and the dense oracle on buckets at CP = 1,
 losses on full (N, W, V) fp32 tensors) and the current one (kernel tiles, branch queries only,
 chunked on-device losses), on a random 2-layer target with a 32,768-token vocabulary; the two paths
 alternate step by step (order swapped every round), each round also measures each path's peak step
@@ -64,6 +64,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.paths import recorded, recorded_args  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -234,8 +235,8 @@ def train_step_times(cfgs: dict, steps: int, warmup: int = 3) -> dict:
 
 
 # ----------------------------------------------------------------------------------- main
-# ------------------------------------------------------------------ training path: before / after (issue 17)
-# `--train-paths`: the drafter's training step through the old path (cotrain.draft.reference: all-zero
+# ------------------------------------------------------------------ training path: before / after
+# `--train-paths`: the drafter's training step through the old path (reference.draft_path: all-zero
 # main queries and the dense oracle on buckets at CP = 1, losses in plain autograd on full (N, W, V)
 # fp32 tensors with host reads in every call) and through the current one (kernel tiles, branch
 # queries only, losses in chunks on the device), on a random target with a 32,768-token vocabulary.
@@ -277,7 +278,7 @@ def path_workload(seqs: int, seq_len: int, prompt: int) -> dict:
 def attention_pairs(drafter, batch, layout, old: bool) -> int:
     """Query-key pairs the forward's attention calls compute: the dense buckets' (tokens)^2 per call
     (old), or the kernel tiles' (ring plan + block-diagonal branches) with or without main queries."""
-    from cotrain.draft import reference
+    from reference import draft_path
     from cotrain.draft.common import BranchAttention
     from cotrain.parallel import default_kernel, ring_plan
 
@@ -287,7 +288,7 @@ def attention_pairs(drafter, batch, layout, old: bool) -> int:
     def count(self, q, *args, **kw):
         lay = self.layout
         if old:
-            total.append(sum((m1 - m0 + b1 - b0) ** 2 for _, m0, m1, b0, b1 in reference._buckets(lay, 128)))
+            total.append(sum((m1 - m0 + b1 - b0) ** 2 for _, m0, m1, b0, b1 in draft_path._buckets(lay, 128)))
         else:
             plan = ring_plan(lay, 0, "cpu", tile_cost_pairs=default_kernel("cpu").tile_cost_pairs,
                              main_queries=q is not None)
@@ -320,17 +321,17 @@ class PathArm:
     def step(self) -> float:
         import contextlib
 
-        from cotrain.draft import reference
+        from reference import draft_path
         from cotrain.draft.losses import draft_loss, target_dist, target_probs
 
         b, d = self.batch, self.drafter
         extra = {"l1_weight": 1.0, "confidence_weight": 1.0} if self.loss == "dspark_l1" else {}
         t0 = time.perf_counter()
-        with reference.dense_attention() if self.old else contextlib.nullcontext():
+        with draft_path.dense_attention() if self.old else contextlib.nullcontext():
             out = d(b, self.layout)
         labels = b.input_ids[(out.target_rows + 1).clamp(min=0, max=b.num_tokens - 1)]
         if self.old:
-            loss, m = reference.draft_loss(self.loss, out, target_probs(b.target_logits, out), labels, **extra)
+            loss, m = draft_path.draft_loss(self.loss, out, target_probs(b.target_logits, out), labels, **extra)
         else:
             loss, m = draft_loss(self.loss, out, target_dist(b.target_logits, out), labels, **extra)
         self.opt.zero_grad(set_to_none=True)
@@ -635,7 +636,7 @@ def main(argv=None) -> int:
         cfgs[kind] = cfg
         served = kind != "dspark" or cuda
         families[kind] = {"k": k, "offline_acceptance_len": off.walk_len, "offline_per_position": off.per_position,
-                          "vllm_serves": served, "drafter": str(run / "drafter"), "distill_steps": cfg.train.steps}
+                          "vllm_serves": served, "drafter": recorded(run / "drafter"), "distill_steps": cfg.train.steps}
         if served:
             specs[kind] = drafter.speculative_config(str(run / "drafter"), k)
         del drafter, batch
@@ -674,11 +675,11 @@ def main(argv=None) -> int:
             "long_c1": f"{min(len(prompts), a.c1_requests)} prompts, 1 per call, greedy, {a.long_tokens} tokens"}
     import vllm
 
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
+    config = recorded_args(a)
     config.update(command="python bench/drafters.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   device=torch.cuda.get_device_name(0) if cuda else "cpu", threads=1, torch=torch.__version__,
                   vllm=vllm.__version__, cpu_count=os.cpu_count(), date=time.strftime("%Y-%m-%d"),
-                  loadavg_start=load_start, loadavg_end=os.getloadavg(), loadavg_per_round=round_loadavg, target=tiny,
+                  loadavg_start=load_start, loadavg_end=os.getloadavg(), loadavg_per_round=round_loadavg, target=recorded(tiny),
                   engines=list(engines), engine_order="rotated each round; all engines alive throughout")
     data = {"config": config, "workloads": desc, "families": families, "throughput": arms, "ratios": ratios,
             "seconds": round(time.time() - t_start, 1)}

@@ -1,4 +1,4 @@
-"""Benchmark: SpecOPD (issue 13) offline on the tiny built-in target - acceptance of three training
+"""Benchmark: SpecOPD offline on the tiny built-in target - acceptance of three training
 objectives in vLLM, and supervised tokens per second against a sequential on-policy baseline.
 
 Part 1, acceptance. Per seed, one DFlash drafter (block ``--k`` + 1, so that it drafts the paper's
@@ -72,6 +72,7 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.paths import recorded, recorded_args  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -835,12 +836,12 @@ def main(argv=None) -> int:
     tput = throughput(warm0, model, train, records, cfg, a, None)  # no EOS rule: every drafted position counts
     print(f"[throughput] {a.tput_repeats} repeats in {time.time() - t0:.1f} s", flush=True)
 
-    config = {k_: (str(v) if isinstance(v, Path) else v) for k_, v in vars(a).items()}
+    config = recorded_args(a)
     config.update(command="python bench/specopd.py" + "".join(" " + x for x in (sys.argv[1:] if argv is None else argv)),
                   k=k, block_size=block, kind=a.kind, device="cpu" if not torch.cuda.is_available() else
                   torch.cuda.get_device_name(0), torch=torch.__version__, vllm=vllm.__version__, cpu_count=os.cpu_count(),
                   date=time.strftime("%Y-%m-%d"), loadavg_start=load_start, loadavg_end=os.getloadavg(), threads=1,
-                  target=str(tiny), distill_config=f"configs/distill_{a.kind}.yaml",
+                  target=recorded(tiny), distill_config=f"configs/distill_{a.kind}.yaml",
                   optimizer=cfg.draft.optimizer.model_dump(), loss_gamma=cfg.draft.settings.loss_gamma,
                   anchors_per_seq=int(cfg.draft.settings.anchors_per_seq), t1_seed="100 + seed",
                   draft_sample_method="greedy (vLLM's default; verification at the request's temperature)")

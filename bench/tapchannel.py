@@ -68,6 +68,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.paths import recorded_args  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -716,7 +717,7 @@ def main():
     for pp in tqdm(args.pp, desc="PP degrees", disable=not args.progress):
         ranks = spawn_local(bench_rank, pp, args, state, timeout_s=1800)
         rows.append(summarize(pp, ranks, args))
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    config = recorded_args(args)
     config["command"] = " ".join(["python", "bench/tapchannel.py", *sys.argv[1:]])
     config["threads_per_rank"] = 1
     config["wall_s"] = time.time() - t_start

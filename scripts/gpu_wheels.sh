@@ -10,7 +10,7 @@
 #
 # What travels to the GPU machine is the working tree (tracked files and untracked files git does not
 # ignore) plus the carried folder .whl/: at most 64 MiB in all. Downloads are binary only
-# (--only-binary=:all:, --no-deps: the list is the whole closure, checked by tests/test_gpu_check.py),
+# (--only-binary=:all:, --no-deps: the list is the whole closure, checked by tests/scripts/test_gpu_check.py),
 # for CPython on manylinux x86-64. Wheels in .whl/ that the list no longer names are removed.
 # The built-in tiny model (what the tiny_model_path fixture gives a test; built here on first use, ~2 minutes,
 # 3 MiB) is copied to

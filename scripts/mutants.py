@@ -11,7 +11,7 @@ run the tests meant to catch it, and report which bugs went unnoticed.
 Each mutant is an exact text substitution in one file (``old`` must occur exactly once: a mutation
 whose code has moved on is reported ``stale``, not silently skipped). The scratch copy is the
 committed tree (``git archive HEAD``; ``--worktree``: the tracked and untracked files as they are
-in the working tree) under a temporary directory; /work/main's own files are never touched. The
+in the working tree) under a temporary directory; the checkout's own files are never touched. The
 focused tests run from the scratch copy with ``PYTHONPATH`` pointing at it (the editable install
 would otherwise import the real package; a canary checks this), one at a time, ``pytest -x``, each
 under ``--timeout`` seconds (the whole process group is killed on expiry).
@@ -293,7 +293,7 @@ MUTANTS: list[Mutant] = [
       "out = self.frozen(batch, layout", "out = self.drafter(batch, layout",
       ["tests/draft/test_online.py", "-k", "compare_frozen"],
       "draft.compare_frozen scores the co-trained drafter instead of its frozen copy"),
-    # issue 17: the chunked losses (derivatives written in the forward) and the training path's attention
+    # the chunked losses (derivatives written in the forward) and the training path's attention
     M("draft.loss_chunk_boundary", "cotrain/draft/losses.py",
       "n1 = min(n0 + chunk, N)", "n1 = min(n0 + chunk - 1, N)",
       ["tests/draft/test_losses.py", "-k", "chunk"], "a chunk's last chain is skipped at every boundary"),
@@ -318,12 +318,12 @@ MUTANTS: list[Mutant] = [
     M("bench.e2e_rollout_speedup_inverted", "bench/cotrain_e2e.py",
       "\"rollout_speedup\": tot(\"plain\", \"time/rollout\") / tot(arm, \"time/rollout\"),",
       "\"rollout_speedup\": tot(arm, \"time/rollout\") / tot(\"plain\", \"time/rollout\"),",
-      ["tests/test_bench_smoke.py", "-k", "cotrain_e2e"], "the co-training headline's rollout speed-up inverted",
+      ["tests/bench/test_bench_smoke.py", "-k", "cotrain_e2e"], "the co-training headline's rollout speed-up inverted",
       timeout=600),
     M("bench.e2e_arms_not_rotated", "bench/cotrain_e2e.py",
       "            order = names[step % len(names):] + names[: step % len(names)]\n",
       "            order = names\n",
-      ["tests/test_bench_smoke.py", "-k", "cotrain_e2e"], "the arms run in the same order every step (load drift "
+      ["tests/bench/test_bench_smoke.py", "-k", "cotrain_e2e"], "the arms run in the same order every step (load drift "
       "lands on the same arms)", timeout=600),
     M("draft.eagle3_live_slot_merge_weight", "cotrain/draft/eagle3.py",
       "o_b * torch.exp(l_b - lse)[..., None]", "o_b * torch.exp(l_a - lse)[..., None]",
@@ -380,25 +380,25 @@ MUTANTS: list[Mutant] = [
     # ----- cotrain/config ---------------------------------------------------------------------------------------
     M("config.shallow_merge", "cotrain/config/loader.py",
       "if isinstance(value, dict) and isinstance(out.get(key), dict):", "if False:",
-      ["tests/test_config.py"], "defaults / overrides replace whole sections instead of merging"),
+      ["tests/config/test_config.py"], "defaults / overrides replace whole sections instead of merging"),
     M("config.kl_without_reference_accepted", "cotrain/config/validate.py",
       "if g.kl_coef > 0 and not pol.reference_model:", "if g.kl_coef > 0 and pol.reference_model:",
-      ["tests/test_config.py"], "kl_coef > 0 without a reference model passes validation"),
+      ["tests/config/test_config_errors.py", "-k", "kl"], "kl_coef > 0 without a reference model passes validation"),
     M("config.optimizer_steps_ignore_epochs", "cotrain/config/validate.py",
       "return g.num_steps * (B // gbs) * g.epochs", "return g.num_steps * (B // gbs)",
-      ["tests/test_config.py", "tests/test_config_steps.py"], "the LR schedule's length ignores grpo.epochs"),
+      ["tests/config/test_config.py", "tests/config/test_config_steps.py"], "the LR schedule's length ignores grpo.epochs"),
     # ----- cotrain/tasks ----------------------------------------------------------------------------------------
     M("tasks.first_marker", "cotrain/tasks/rewards.py",
       "response = response.rsplit(MARKER, 1)[1]", "response = response.split(MARKER, 1)[1]",
-      ["tests/test_task_and_tiny.py", "tests/test_gcd_and_small.py", "-m", "not slow", "-k", "not partly_right"],
+      ["tests/tasks/test_task_and_tiny.py", "tests/tasks/test_gcd_and_small.py", "-m", "not slow", "-k", "not partly_right"],
       "the answer is read after the first `=>`, not the last"),
     M("tasks.format_error_never", "cotrain/tasks/rewards.py",
       "if not got or (is_number(want) and not is_number(got)):", "if not got:",
-      ["tests/test_task_and_tiny.py", "-m", "not slow", "-k", "not partly_right"], "a non-numeric answer to a numeric question is not a format error"),
+      ["tests/tasks/test_task_and_tiny.py", "-m", "not slow", "-k", "not partly_right"], "a non-numeric answer to a numeric question is not a format error"),
     M("tasks.resume_wrong_epoch_order", "cotrain/tasks/data.py",
       "int(state[\"pos\"])\n        self._order = self._permutation(self.epoch)\n",
       "int(state[\"pos\"])\n        self._order = self._permutation(0)\n",
-      ["tests/test_task_and_tiny.py", "-m", "not slow", "-k", "not partly_right"], "a resumed prompt stream uses epoch 0's order"),
+      ["tests/tasks/test_task_and_tiny.py", "-m", "not slow", "-k", "not partly_right"], "a resumed prompt stream uses epoch 0's order"),
 ]
 
 

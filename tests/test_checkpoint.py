@@ -137,7 +137,7 @@ def test_validation_refuses_a_damaged_checkpoint_named_by_path(two_checkpoints, 
     assert f"checkpoint.resume: '{newest}' is not a usable checkpoint: {newest / 'trainer_rank0000.pt'}: " in err
 
 
-# ----- a commit that fails between files (issue 18) ---------------------------------------------------------
+# ----- a commit that fails between files ---------------------------------------------------------------------
 COMMIT_FILES = ["driver.pt", "MANIFEST.json", "COMPLETE", "latest"]
 
 

@@ -107,3 +107,26 @@ def test_the_checker_sees_lazy_imports():
     g = import_graph()
     assert "cotrain.draft.cache" in g["cotrain.rl.driver"]
     assert "cotrain.weights" in g["cotrain.rl.trainer"] or any(t.startswith("cotrain.weights") for t in g["cotrain.rl.trainer"])
+
+
+def test_the_package_imports_nothing_beside_it():
+    """cotrain imports neither the test oracles (``reference``) nor the tests, benchmarks, scripts or
+    launchers beside it, at any depth: the installed package stands alone."""
+    beside = {"reference", "tests", "bench", "scripts", "launch"}
+    bad = []
+    for p in (ROOT / "cotrain").rglob("*.py"):
+        for node in _runtime_imports(ast.parse(p.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            bad += [f"{p.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] in beside]
+    assert not bad, bad
+
+
+def test_generic_drafter_code_imports_no_family():
+    """The online trainer and SpecOPD ask the kind's record (``registry.record_of``) what a family
+    needs; they import no family module (EAGLE-3, DFlash, DSpark), at any depth of the code."""
+    g = import_graph()
+    families = {"cotrain.draft.eagle3", "cotrain.draft.dflash", "cotrain.draft.dspark"}
+    for m in ("cotrain.draft.online", "cotrain.draft.specopd"):
+        assert not g[m] & families, (m, sorted(g[m] & families))
+    assert "cotrain.draft.registry" in g["cotrain.draft.online"]  # (the checker sees the edges)

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Optional
 
 from pydantic import Field
 
-from cotrain.config.schema import DraftConfig, GcdTaskConfig, StrictModel
+from cotrain.config.schema import DraftConfig, GcdTaskConfig, StrictModel, on_policy_kinds
 
 
 class DistillDataConfig(StrictModel):
@@ -80,9 +80,6 @@ class DistillConfig(StrictModel):
     """Optimisation."""
 
 
-#: drafter kinds whose on-policy (SpecOPD) branches cotrain.draft.specopd builds
-ON_POLICY_KINDS = ("eagle3", "dflash", "dspark")
-
 #: draft.* keys that only a GRPO run's online co-training reads
 ONLINE_ONLY_KEYS = frozenset({"cotrain", "init", "push_every", "tap_transport", "tap_timeout_s", "compare_frozen"})
 
@@ -118,7 +115,7 @@ def load_distill_config(path: Optional[str | Path] = None, overrides: list[str] 
 
     for path, msg in check_accept_weighted(cfg.draft):
         raise ValueError(f"{path}: {msg}")
-    if cfg.draft.branches == "on_policy" and cfg.draft.kind not in ON_POLICY_KINDS:
-        raise ValueError(f"draft.branches: on_policy is built for kinds {', '.join(ON_POLICY_KINDS)} "
+    if cfg.draft.branches == "on_policy" and cfg.draft.record.branches is None:
+        raise ValueError(f"draft.branches: on_policy is built for kinds {', '.join(on_policy_kinds())} "
                          f"(cotrain.draft.specopd), not {cfg.draft.kind!r}")
     return cfg

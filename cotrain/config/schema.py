@@ -597,6 +597,15 @@ class DraftKind:
     """draft.loss when it is null."""
     serves_on_cpu: bool = True
     """Whether vLLM serves its method on the CPU backend."""
+    anchors: str = "every"
+    """Where its training chains start: ``"every"`` supervised position, or ``"sampled"``: up to
+    ``anchors_per_seq`` drawn among the drafter's ``anchor_candidates`` (its ``anchor_sampling``)."""
+    branches: str | None = None
+    """How cotrain.draft.specopd draws its on-policy branches: ``"block"`` (one drafter call) or
+    ``"eagle3"`` (k passes); None: draft.branches=on_policy is refused for it."""
+    vocab_rows: str | None = None
+    """The parameter whose rows follow its reduced draft vocabulary (the optimizer's state moves with
+    them on a rebuild); None: no reduced vocabulary."""
 
     def model_class(self) -> type:
         """The drafter class (imports its module)."""
@@ -623,6 +632,10 @@ def register_draft_kind(kind: DraftKind, *, replace: bool = False) -> None:
         raise ValueError(f"drafter kind name {name!r} clashes with a draft.* key")
     if not (isinstance(kind.config, type) and issubclass(kind.config, DraftKindConfig)):
         raise TypeError(f"{kind.config!r} is not a DraftKindConfig subclass")
+    if kind.anchors not in ("every", "sampled"):
+        raise ValueError(f"drafter kind {name!r}: anchors {kind.anchors!r} is not 'every' or 'sampled'")
+    if kind.branches not in (None, "block", "eagle3"):
+        raise ValueError(f"drafter kind {name!r}: branches {kind.branches!r} is not None, 'block' or 'eagle3'")
     if kind.default_loss not in kind.losses:
         raise ValueError(f"drafter kind {name!r}: default_loss {kind.default_loss!r} is not one of its losses "
                          f"{kind.losses}")
@@ -650,6 +663,11 @@ def draft_losses() -> tuple[str, ...]:
     return tuple(dict.fromkeys(loss for k in _DRAFT_KINDS.values() for loss in k.losses))
 
 
+def on_policy_kinds() -> tuple[str, ...]:
+    """The registered kinds whose on-policy (SpecOPD) branches cotrain.draft.specopd draws."""
+    return tuple(n for n, k in _DRAFT_KINDS.items() if k.branches is not None)
+
+
 def speculative_methods() -> tuple[str, ...]:
     """Values rollout.speculative.method may take (besides null)."""
     methods = ["ngram", "draft_model"]
@@ -661,10 +679,13 @@ def speculative_methods() -> tuple[str, ...]:
     return tuple(methods)
 
 
-register_draft_kind(DraftKind("eagle3", Eagle3Config, "cotrain.draft.eagle3:Eagle3Drafter", vllm_method="eagle3"))
-register_draft_kind(DraftKind("dflash", DFlashConfig, "cotrain.draft.dflash:DFlashDrafter", vllm_method="dflash"))
+register_draft_kind(DraftKind("eagle3", Eagle3Config, "cotrain.draft.eagle3:Eagle3Drafter", vllm_method="eagle3",
+                              branches="eagle3", vocab_rows="lm_head.weight"))
+register_draft_kind(DraftKind("dflash", DFlashConfig, "cotrain.draft.dflash:DFlashDrafter", vllm_method="dflash",
+                              anchors="sampled", branches="block"))
 register_draft_kind(DraftKind("dspark", DSparkConfig, "cotrain.draft.dspark:DSparkDrafter", vllm_method="dspark",
-                              losses=COMMON_LOSSES + ("dspark_l1",), default_loss="dspark_l1", serves_on_cpu=False))
+                              losses=COMMON_LOSSES + ("dspark_l1",), default_loss="dspark_l1", serves_on_cpu=False,
+                              anchors="sampled", branches="block"))
 
 
 # ------------------------------------------------------------------------------------------- draft

@@ -24,7 +24,7 @@ from typing import Any, Callable
 from pydantic import ValidationError
 
 from .errors import ConfigError, from_validation_error
-from .schema import CotrainConfig, DraftKindConfig, draft_kinds, get_draft_kind
+from .schema import CotrainConfig, DraftKindConfig, draft_kinds, get_draft_kind, on_policy_kinds
 
 __all__ = ["ModelArch", "load_model_arch", "check_config", "config_from_dict", "engine_defaults", "CHECKS"]
 
@@ -527,10 +527,8 @@ def _check_on_policy(cfg: CotrainConfig) -> list[Issue]:
     if not d.cotrain:
         return [("draft.branches", "on_policy is used only when co-training (draft.cotrain=false: the engines "
                  "serve rollout.speculative.draft_model as it is)")]
-    from .distill import ON_POLICY_KINDS
-
-    if d.kind not in ON_POLICY_KINDS:  # a kind registered elsewhere: no branch sampling built for it
-        return [("draft.branches", f"on_policy is built for kinds {', '.join(ON_POLICY_KINDS)} "
+    if d.record.branches is None:  # a kind whose record names no branch sampling
+        return [("draft.branches", f"on_policy is built for kinds {', '.join(on_policy_kinds())} "
                  f"(cotrain.draft.specopd), not {d.kind}")]
     issues = []
     if cfg.policy.context_parallel_impl == "megatron_te":

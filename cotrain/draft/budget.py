@@ -34,7 +34,7 @@ F_draft. The step takes n = min(wanted, floor(credit / F_draft)) (before any mea
 F_draft: the wanted steps, at most one). The extra n - 1 steps train on the replay window
 (:class:`cotrain.draft.online.ReplayWindow`).
 
-What the peers do, as issue 27 describes them (their code was not in reach to read): verl-SpeCo
+What the peers do, as their papers describe them (their code was not in reach to read): verl-SpeCo
 adapts its drafter budget to the acceptance trend and picks hard samples by per-request acceptance;
 TLT trains the drafter on idle rollout capacity. Here the trend and the lag behind the recent past
 both count, each only beyond the noise measured from the signal itself; the cost is bounded by a

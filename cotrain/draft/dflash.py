@@ -17,7 +17,7 @@ Chains: one per block, bonus position a, B-1 drafts.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -39,7 +39,7 @@ from cotrain.draft.common import (
 )
 from cotrain.draft.registry import Drafter, register_drafter
 from cotrain.draft.taps import TargetSpec
-from cotrain.parallel import BranchLayout, balanced_anchors, dflash_layout
+from cotrain.parallel import BranchLayout, balanced_anchors, dflash_layout, draw_anchors
 
 
 class BlockLayer(nn.Module):
@@ -97,20 +97,14 @@ class BlockDrafter(Drafter):
         ok &= batch.loss_mask | (batch.positions == batch.response_start[batch.seq_of])
         return p[ok]
 
-    def sample_anchors(self, batch: DraftBatch, per_seq: Optional[int], generator: Optional[torch.Generator] = None
-                       ) -> torch.Tensor:
-        """Up to ``per_seq`` distinct candidates per sequence (all of them when per_seq is None), sorted."""
+    def sample_anchors(self, batch: DraftBatch, per_seq: Optional[int],
+                       generator: Union[None, torch.Generator, Sequence[torch.Generator]] = None) -> torch.Tensor:
+        """Up to ``per_seq`` distinct candidates per sequence (all of them when per_seq is None), sorted
+        (:func:`cotrain.parallel.layout.draw_anchors`: one stream, or one generator per sequence)."""
         cand = self.anchor_candidates(batch)
         if per_seq is None:
             return cand
-        seq = batch.seq_of[cand]
-        out = []
-        for s in range(batch.num_seqs):
-            c = cand[seq == s]
-            if c.numel() > per_seq:
-                c = torch.sort(c[torch.randperm(c.numel(), generator=generator)[:per_seq]]).values
-            out.append(c)
-        return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
+        return draw_anchors(cand, batch.seq_of[cand], batch.num_seqs, per_seq, generator)
 
     def build_layout(self, batch: DraftBatch, generator: Optional[torch.Generator] = None, cp_size: int = 1,
                      anchors: Optional[torch.Tensor] = None, all_anchors: bool = False) -> BranchLayout:

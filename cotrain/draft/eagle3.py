@@ -122,7 +122,7 @@ class Eagle3Drafter(Drafter):
         """Install the draft vocabulary ``vocab`` (same size). With ``remap`` the LM head follows it:
         a token in both keeps its row, a new token gets the target's current head row
         (``target_lm_head``, the policy's under co-training). Returns, for each new draft id, its old
-        draft id (-1 = new token), for the optimizer state (:func:`remap_optimizer_rows`)."""
+        draft id (-1 = new token), for the optimizer state (:func:`cotrain.draft.optim.remap_optimizer_rows`)."""
         if self.vocab is None:
             raise ValueError("this EAGLE-3 drafter has no reduced vocabulary (draft_vocab_size is null or the "
                              "target's vocab_size)")
@@ -322,20 +322,6 @@ class Eagle3Drafter(Drafter):
                            if self.vocab is not None else {})},
         })
         return cfg
-
-
-def remap_optimizer_rows(optimizer: torch.optim.Optimizer, param: torch.Tensor, src: torch.Tensor) -> None:
-    """After :meth:`Eagle3Drafter.set_vocab`: move the optimizer's per-row state of ``param`` (Adam's
-    moments of the LM head) with the rows; rows of new tokens start from zero."""
-    st = optimizer.state.get(param)
-    if not st:
-        return
-    kept = src >= 0
-    for key, t in st.items():
-        if torch.is_tensor(t) and t.shape == param.shape:
-            new = torch.zeros_like(t)
-            new[kept.to(t.device)] = t[src[kept].to(t.device)]
-            t.copy_(new)
 
 
 register_drafter("eagle3", Eagle3Drafter)

@@ -1,67 +1,41 @@
 """Online drafter training: the drafter's side of one GRPO step (co-training), on one rank.
 
-The policy's forward over the rollout batch hands this module, microbatch by microbatch, the rows
-the policy saw (token ids, which targets are response tokens), the drafter's taps from that forward
-and the policy's logits (detached, at the sampling temperature). :class:`OnlineDraftTrainer` turns
-them into a :class:`~cotrain.draft.common.DraftBatch`, runs the drafter forward and backward and, at
-the end of the step, takes one optimizer step of its own::
+:class:`OnlineDraftTrainer` takes, microbatch by microbatch, what the policy's forward saw and
+takes one optimizer step of its own at the end of the step::
 
     trainer.begin_step(step, embed=..., lm_head=...)     # the policy's current shared tensors
     for each microbatch:  trainer.microbatch(rows, taps, logits)
     metrics = trainer.end_step()                          # reduce, normalise, clip, AdamW step
 
-Loss normalisation. Over every rank r of the reduce group (the last stage's DP x CP ranks), every
-chain c of the step and every valid draft position j, with the loss's position weights w_j,
+    rows     RolloutRows           the rows as the policy sees them (ids, response mask, lengths, row ids)
+    taps     [sum(widths)/C, n_taps*H]  the drafter's taps from that forward, this rank's positions
+    logits   [>= sum(widths)/C, V]      the policy's logits, detached, at the sampling temperature
+
+Loss normalisation, over every rank r of the reduce group (the last stage's DP x CP ranks), chain c
+and valid draft position j with position weights w_j:
 
     L = sum_{r,c,j} w_j l_{cj} / sum_{r,c,j} w_j.
 
-Each rank backpropagates its local sum D_r * mean_r (D_r = its local weight sum); after the last
-microbatch the gradients and the D_r are summed over the group and the gradients divided by
-D = sum_r D_r. That is the gradient of one process on the whole batch, whatever the layout.
+Each rank backpropagates its local weight sum D_r times its mean; the gradients and the D_r are
+summed over the group and divided by D = sum_r D_r: one process's gradient on the whole batch.
 
-Context parallelism (C > 1): a rank holds the zigzag shard of every row (chunks r and 2C-1-r of the
-row's S positions, :mod:`cotrain.parallel.zigzag`), so rows are taken whole (S positions, padding
-included) and the taps / logits arrive in that shard's order; the drafter's branch attention runs
-over ``cp_group`` and :func:`~cotrain.draft.cp.fetch_rows` brings the target rows a chain needs from
-the rank that owns them. At C = 1 the padding is dropped. Anchors of block drafters are drawn per
-row from a generator seeded by (seed, step, the row's index in the rollout batch), so every CP rank
-draws the same anchors and the draw does not depend on the DP / PP / CP layout.
-
-With ``anchor_sampling: balanced`` the anchors of a microbatch are drawn in one stratified draw per
-CP group instead (even attention work across CP ranks; the draw then depends on the CP size).
-
-On-policy branches (``draft.branches: on_policy``, SpecOPD: :mod:`cotrain.draft.specopd`): at the
-same anchors the drafter samples its own branches (draws by inverse CDF at uniforms that depend on
-the row and the anchor alone, :func:`branch_uniforms`), a ``scorer`` from the trainer returns the
-policy's logits at the branch tokens (its tree forward, docs/cotrain.md; EAGLE-3's branch is scored
-with its bonus token first, so that p_1 too is a branch row), and the loss runs on the branch
-positions against those fixed distributions (:meth:`OnlineDraftTrainer._on_policy`).
-
-Acceptance (``acceptance_offline``): on the step's chains, 1 + the number of leading drafts equal
-to the policy's greedy token at their position, over the first ``k`` drafts (teacher forcing on the
-rollout tokens; see :mod:`cotrain.draft.acceptance`).
-With ``compare_frozen`` a frozen copy of the drafter as it was built (its initial weights, the
-current policy's shared embedding / LM head, as vLLM would serve it) is scored the same way on the
-same chains (``acceptance_offline_frozen``): the same policy trajectory for both, which separate
-GRPO runs cannot give (speculative sampling keeps the distribution, not the draws, so two runs'
-policies part ways).
-
-Per turn (multi-turn rollouts, :mod:`cotrain.rl.multiturn`): the same acceptance split by the
-policy turn of each chain's first draft (:func:`~cotrain.draft.common.turn_of`), reported as
-``acceptance_offline_turn<t>`` for t = 1 .. ``TURN_SLOTS`` (the last slot: that turn and later) when
-the step's rows have a second turn; a single-turn step reports none of them.
-
-Reduced draft vocabulary (EAGLE-3 ``draft_vocab_size``; :mod:`cotrain.draft.vocab`): the loss
-restricts and renormalises p over the draft tokens and drops positions whose greedy token is
-outside them (as offline), and drafted ids are mapped to target ids before they are compared. The
-mapping changes only at the end of a step, identically on every rank (the token counts are summed
-over the reduce group with the gradients): from scratch (a placeholder mapping) it is built from
-the first step's rollout tokens, and that step takes no update; with ``vocab_rebuild_every`` = N it
-is rebuilt every N steps from the tokens counted since the last build, after the step's update, the
-LM head rows and their optimizer state following their tokens (``Eagle3Drafter.set_vocab``). A new
-mapping is a new head: the next push carries it whole, ``d2t`` included (every push does).
-Metrics: ``vocab_version`` (builds so far), ``vocab_coverage`` (share of the step's supervised
-tokens inside the draft vocabulary it trained with), ``vocab_rebuilt``.
+- Anchors: where chains start is the kind's record's (``DraftKind.anchors``); sampled anchors are
+  drawn per row, seeded by (seed, step, row index) (:func:`anchor_seed`): the same on every CP rank,
+  for any DP / PP / CP layout (``anchor_sampling: balanced``: one stratified draw per CP group).
+- CP (C > 1): rows whole, in their zigzag shard's order (:mod:`cotrain.parallel.zigzag`), branch
+  attention over ``cp_group``, a chain's target rows from their owners
+  (:func:`~cotrain.draft.cp.fetch_rows`); at C = 1 the padding is dropped.
+- On-policy branches (``draft.branches: on_policy``, :mod:`cotrain.draft.specopd`): at the same
+  anchors the drafter samples its own branches (:func:`branch_uniforms`) and ``scorer`` gives the
+  policy's logits at their tokens (:meth:`OnlineDraftTrainer._on_policy`).
+- Acceptance on the step's chains (teacher-forced greedy, first ``k`` drafts,
+  :mod:`cotrain.draft.acceptance`): ``acceptance_offline``; ``acceptance_offline_frozen`` (with
+  ``compare_frozen``: the drafter as built, same chains, same policy trajectory);
+  ``acceptance_offline_turn<t>`` (multi-turn rows: by the policy turn of the chain's first draft).
+- Reduced draft vocabulary (EAGLE-3 ``draft_vocab_size``, :mod:`cotrain.draft.vocab`): built from
+  the first step's tokens (that step takes no update), rebuilt every ``vocab_rebuild_every`` steps
+  after the update, identically on every rank, the optimizer's rows following their tokens
+  (``DraftKind.vocab_rows``); metrics ``vocab_version``, ``vocab_coverage``, ``vocab_rebuilt``.
 """
 
 from __future__ import annotations
@@ -76,10 +50,9 @@ import torch.distributed as dist
 from cotrain.draft.acceptance import accept_lengths
 from cotrain.draft.common import DraftBatch, DraftOutput, turn_of
 from cotrain.draft.cp import fetch_rows
-from cotrain.draft.dflash import BlockDrafter
 from cotrain.draft.losses import TargetDist, draft_loss, target_dist
-from cotrain.draft.optim import apply_config, clip_, lr_at, make_optimizer, set_lr
-from cotrain.draft.registry import Drafter
+from cotrain.draft.optim import apply_config, clip_, lr_at, make_optimizer, remap_optimizer_rows, set_lr
+from cotrain.draft.registry import Drafter, record_of
 from cotrain.draft.vocab import DraftVocab, token_counts
 from cotrain.parallel.layout import spans
 from cotrain.seeding import mix
@@ -250,19 +223,10 @@ def branch_uniforms(seed: int, step: int, seq_ids: torch.Tensor, positions: torc
     return out
 
 
-def sample_block_anchors(drafter: BlockDrafter, batch: DraftBatch, seeds: list[int], per_seq: int) -> torch.Tensor:
+def sample_block_anchors(drafter: Drafter, batch: DraftBatch, seeds: list[int], per_seq: int) -> torch.Tensor:
     """Up to ``per_seq`` anchors per sequence among the drafter's candidates, sequence s drawn with a
-    generator seeded ``seeds[s]`` (sorted packed positions)."""
-    cand = drafter.anchor_candidates(batch)
-    seq = batch.seq_of[cand]
-    out = []
-    for s in range(batch.num_seqs):
-        c = cand[seq == s]
-        if c.numel() > per_seq:
-            g = torch.Generator().manual_seed(int(seeds[s]))
-            c = torch.sort(c[torch.randperm(c.numel(), generator=g)[:per_seq]]).values
-        out.append(c)
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
+    generator seeded ``seeds[s]`` (sorted packed positions; the drafter's ``sample_anchors``)."""
+    return drafter.sample_anchors(batch, per_seq, [torch.Generator().manual_seed(int(s)) for s in seeds])
 
 
 class OnlineDraftTrainer:
@@ -284,10 +248,10 @@ class OnlineDraftTrainer:
         self.loss_name = draft_cfg.loss or draft_cfg.settings.default_loss
         self.branches = getattr(draft_cfg, "branches", "teacher_forced")
         self.eos_token_id = eos_token_id
-        if self.branches == "on_policy":
-            from cotrain.draft.specopd import _family
-
-            _family(drafter)  # dflash, dspark or eagle3 (raises for anything else)
+        self.record = record_of(drafter)  # what the family needs: its anchors, branches, vocabulary rows
+        if self.branches == "on_policy" and self.record.branches is None:
+            raise NotImplementedError(f"on-policy branches are not built for drafter kind {drafter.kind!r} "
+                                      "(its record names no branches)")
         self.loss_extra = {n: float(getattr(draft_cfg.settings, n)) for n in ("l1_weight", "confidence_weight")
                            if hasattr(draft_cfg.settings, n)}
         self.total_steps = int(total_steps)
@@ -302,6 +266,9 @@ class OnlineDraftTrainer:
         # reduced draft vocabulary: token counts since the mapping was last built, steps since then
         vocab: Optional[DraftVocab] = getattr(drafter, "vocab", None)
         self.vocab_every = int(getattr(drafter.cfg, "vocab_rebuild_every", 0) or 0)
+        if vocab is not None and self.record.vocab_rows is None:
+            raise ValueError(f"drafter kind {drafter.kind!r} has a reduced vocabulary but its record names no "
+                             "vocab_rows (the parameter whose optimizer state follows a rebuild)")
         self.vocab_counts = torch.zeros(vocab.vocab_size, dtype=torch.float64) if vocab is not None else None
         self.vocab_steps = 0
         # draft.budget (adaptive, max_steps > 1): recent steps' inputs for the extra optimizer steps
@@ -351,11 +318,12 @@ class OnlineDraftTrainer:
     def _layout_for(self, batch: DraftBatch, seq_ids: torch.Tensor, step: int):
         """The drafter's layout of ``batch`` at GRPO step ``step`` (anchors drawn per row; a replayed
         microbatch gets fresh anchors: ``step`` is then salted by the replay)."""
-        if isinstance(self.drafter, BlockDrafter) and self.drafter.cfg.anchor_sampling == "balanced":
+        sampled = self.record.anchors == "sampled"
+        if sampled and self.drafter.cfg.anchor_sampling == "balanced":
             # one draw for the microbatch, stratified by CP rank (identical on every rank of the group)
             g = torch.Generator().manual_seed(anchor_seed(self.seed, step, int(seq_ids[0])))
             return self.drafter.build_layout(batch, generator=g, cp_size=self.cp_size)
-        if isinstance(self.drafter, BlockDrafter):
+        if sampled:
             seeds = [anchor_seed(self.seed, step, s) for s in seq_ids.tolist()]
             anchors = sample_block_anchors(self.drafter, batch, seeds, int(self.drafter.cfg.anchors_per_seq))
             return self.drafter.build_layout(batch, cp_size=self.cp_size, anchors=anchors)
@@ -649,9 +617,9 @@ class OnlineDraftTrainer:
 
     # ------------------------------------------------------------------ reduced draft vocabulary
     def _vocab_step(self, counts: torch.Tensor, placeholder: bool) -> dict[str, float]:
-        """Count the step's tokens (summed over the group) and build / rebuild the mapping when due."""
-        from cotrain.draft.eagle3 import remap_optimizer_rows
-
+        """Count the step's tokens (summed over the group) and build / rebuild the mapping when due
+        (the loss restricts p to the draft tokens; drafted ids are mapped to target ids before they
+        are compared). A new mapping is a new head: the next push carries it whole, ``d2t`` included."""
         self.vocab_counts += counts
         self.vocab_steps += 1
         vocab = self.drafter.vocab
@@ -659,7 +627,7 @@ class OnlineDraftTrainer:
         if placeholder or (self.vocab_every and self.vocab_steps >= self.vocab_every):
             new = DraftVocab.from_counts(self.vocab_counts, vocab.size, version=vocab.version + 1)
             src = self.drafter.set_vocab(new)
-            remap_optimizer_rows(self.optimizer, self.drafter.lm_head.weight, src)
+            remap_optimizer_rows(self.optimizer, self.drafter.get_parameter(self.record.vocab_rows), src)
             self.vocab_counts.zero_()
             self.vocab_steps = 0
             rebuilt = 1.0

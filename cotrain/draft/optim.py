@@ -59,3 +59,18 @@ def clip_(params: list[torch.Tensor], max_norm: float) -> float:
     if max_norm > 0:
         return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
     return float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in grads)))
+
+
+def remap_optimizer_rows(optimizer: torch.optim.Optimizer, param: torch.Tensor, src: torch.Tensor) -> None:
+    """After a draft-vocabulary rebuild (EAGLE-3's ``set_vocab``): move the optimizer's per-row state
+    of ``param`` (Adam's moments of the LM head) with its rows, new row i from old row ``src[i]``;
+    rows of new tokens (``src[i] = -1``) start from zero."""
+    st = optimizer.state.get(param)
+    if not st:
+        return
+    kept = src >= 0
+    for key, t in st.items():
+        if torch.is_tensor(t) and t.shape == param.shape:
+            new = torch.zeros_like(t)
+            new[kept.to(t.device)] = t[src[kept].to(t.device)]
+            t.copy_(new)

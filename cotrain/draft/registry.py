@@ -22,7 +22,7 @@ from typing import ClassVar, Optional
 import torch
 import torch.nn as nn
 
-from cotrain.config.schema import DraftKindConfig, draft_kinds, get_draft_kind
+from cotrain.config.schema import DraftKind, DraftKindConfig, draft_kinds, get_draft_kind
 from cotrain.draft.common import DraftBatch, DraftOutput
 from cotrain.draft.taps import TargetSpec, to_vllm_ids
 from cotrain.parallel import BranchLayout
@@ -181,6 +181,12 @@ def get_drafter_class(kind: str) -> type[Drafter]:
     except KeyError:
         raise KeyError(f"no drafter registered for kind {kind!r} (registered: {', '.join(drafter_kinds())})") from None
     return record.model_class()
+
+
+def record_of(drafter: Drafter) -> DraftKind:
+    """The registration of ``drafter``'s kind: what generic code (the online trainer, SpecOPD) asks
+    of its family (``anchors``, ``branches``, ``vocab_rows``) instead of testing its class."""
+    return get_draft_kind(drafter.kind)
 
 
 def drafter_kinds() -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""SpecOPD: parallel on-policy drafter distillation from random anchors (issue 13).
+"""SpecOPD: parallel on-policy drafter distillation from random anchors.
 
 The reference (or rollout) tokens are the *stem*. B anchors are drawn on it from a seeded
 generator (the drafter's own anchor rule, ``build_layout``: a block drafter's sampled
@@ -60,8 +60,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from cotrain.config.schema import on_policy_kinds
 from cotrain.draft.common import DraftBatch, DraftOutput, exp_decay_weights, group_rank
 from cotrain.draft.losses import draft_loss
+from cotrain.draft.registry import record_of
 from cotrain.draft.vocab import DraftVocab
 from cotrain.parallel import BranchLayout, cp_branch_attention, local_branch_attention
 
@@ -125,16 +127,13 @@ def _draw(logits: torch.Tensor, temperature: float, generator: Optional[torch.Ge
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
 
-def _family(drafter) -> str:
-    from cotrain.draft.dflash import BlockDrafter
-    from cotrain.draft.eagle3 import Eagle3Drafter
-
-    if isinstance(drafter, BlockDrafter):
-        return "block"
-    if isinstance(drafter, Eagle3Drafter):
-        return "eagle3"
-    raise NotImplementedError(f"on-policy branches are built for dflash, dspark and eagle3 drafters; got "
-                              f"{type(drafter).__name__}")
+def branch_family(drafter) -> str:
+    """How ``drafter``'s branches are drawn, as its kind's record says: ``"block"`` or ``"eagle3"``."""
+    family = record_of(drafter).branches
+    if family is None:
+        raise NotImplementedError(f"on-policy branches are built for kinds {', '.join(on_policy_kinds())}; "
+                                  f"got {drafter.kind!r} ({type(drafter).__name__})")
+    return family
 
 
 def _valid(y: torch.Tensor, eos_token_id: Optional[int]) -> torch.Tensor:
@@ -157,7 +156,7 @@ def sample_branches(drafter, batch: DraftBatch, layout: BranchLayout, generator:
     ``uniforms`` (NB, W) in [0, 1) instead: draft j of branch b is drawn by inverse CDF at
     uniforms[b, j] (draws that do not depend on which rank holds the branch).
     The returned logits keep the graph: the loss differentiates through them."""
-    if _family(drafter) == "eagle3":
+    if branch_family(drafter) == "eagle3":
         return _sample_eagle3(drafter, batch, layout, generator, temperature, group, tokens, eos_token_id, uniforms)
     hidden, anchors, ids = drafter.backbone(batch, layout, group)
     base = drafter.base_logits(hidden)

@@ -1,6 +1,7 @@
 """Context parallelism for branch attention (drafter co-training under CP).
 
-- layout: BranchLayout (the attention rule) and builders for EAGLE-3 TTT, DFlash, DSpark.
+- layout: BranchLayout (the attention rule), builders for EAGLE-3 TTT, DFlash, DSpark, and the one
+  anchor sampler (draw_anchors; sample_anchors over whole sequences).
 - zigzag: zigzag sharding of packed sequences, padding rule, branch ownership.
 - dense: dense_branch_attention, the explicit-mask oracle.
 - branch_attention: cp_branch_attention, the packed zigzag ring with branch-local attention (q=None:
@@ -27,6 +28,7 @@ from cotrain.parallel.layout import (
     BranchLayout,
     cu_seqlens_from_lengths,
     dflash_layout,
+    draw_anchors,
     dspark_layout,
     eagle3_ttt_layout,
     sample_anchors,
@@ -47,7 +49,7 @@ __all__ = [
     "BlockKernel", "BlockMask", "BranchLayout", "CPStats", "CpuFusedBlockKernel", "FlashVarlenBlockKernel", "RingComm",
     "TorchBlockKernel", "anchor_owner", "balanced_anchors", "branch_attention_mask", "cp_branch_attention",
     "cu_seqlens_from_lengths", "default_kernel", "dense_branch_attention", "dflash_layout", "local_branch_attention",
-    "dspark_layout", "eagle3_ttt_layout", "merge_lse", "merge_lse_", "padded_seqlens", "ring_plan",
+    "draw_anchors", "dspark_layout", "eagle3_ttt_layout", "merge_lse", "merge_lse_", "padded_seqlens", "ring_plan",
     "rank_work", "sample_anchors", "shard_branches", "unshard_branches", "work_imbalance", "zigzag_index",
     "zigzag_shard", "zigzag_unshard",
 ]

@@ -6,7 +6,7 @@ the mask spelled out below (the rule stated in cotrain.parallel.layout) decides 
     out_i = sum_j softmax_j(scale * q_i . k_j | mask_ij) v_j,   lse_i = log sum_{j: mask_ij} exp(scale * q_i . k_j)
 
 It is the test oracle of cp_branch_attention / local_branch_attention and of the drafters' training
-path, which never calls it (memory grows as (T + NBt)^2; cotrain/draft/reference.py keeps the old
+path, which never calls it (memory grows as (T + NBt)^2; reference/draft_path.py keeps the old
 bucketed use of it for the tests and the benchmark). It computes in fp32 (fp64 if given fp64) and autograd
 differentiates it, so it shares no code with the ring implementation.
 """

@@ -309,6 +309,32 @@ def dspark_layout(
     return dflash_layout(cu_seqlens, anchors, block_size, window, cp_size, branch_seqs)
 
 
+def draw_anchors(
+    candidates: torch.Tensor,
+    seq_of: torch.Tensor,
+    num_seqs: int,
+    per_seq: int,
+    generator: Union[None, torch.Generator, Sequence[torch.Generator]] = None,
+    draw_when_all_fit: bool = False,
+) -> torch.Tensor:
+    """The one anchor sampler: up to ``per_seq`` distinct anchors per sequence among ``candidates``
+    (ascending packed positions; ``seq_of`` their sequences), returned sorted.
+
+    Sequence s with candidates c (n of them) keeps ``sort(c[randperm(n, g_s)[:per_seq]])``, g_s being
+    ``generator`` (one stream, sequences in order) or ``generator[s]`` (one per sequence). With
+    n <= per_seq it keeps all of c, drawing (advancing the stream) only if ``draw_when_all_fit``
+    and n > 0.
+    """
+    out = []
+    for s in range(num_seqs):
+        c = candidates[seq_of == s]
+        if c.numel() > per_seq or (draw_when_all_fit and c.numel() > 0):
+            g = generator[s] if isinstance(generator, Sequence) else generator
+            c = torch.sort(c[torch.randperm(c.numel(), generator=g)[:per_seq]]).values
+        out.append(c)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
+
+
 def sample_anchors(
     cu_seqlens: IntLike,
     per_seq: int,
@@ -316,14 +342,10 @@ def sample_anchors(
     min_position: int = 0,
 ) -> torch.Tensor:
     """Up to `per_seq` distinct random anchors per sequence at in-sequence positions >= min_position,
-    returned as sorted packed positions (sequences too short for any anchor get none)."""
+    returned as sorted packed positions (sequences too short for any anchor get none): `draw_anchors`
+    over every such position, one stream drawn for every non-empty sequence."""
     cu = _as_index_tensor("cu_seqlens", cu_seqlens)
-    out = []
-    for s in range(cu.numel() - 1):
-        start, stop = int(cu[s]) + min_position, int(cu[s + 1])
-        n = stop - start
-        if n <= 0:
-            continue
-        pick = torch.randperm(n, generator=generator)[: min(per_seq, n)]
-        out.append(torch.sort(pick).values + start)
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
+    lengths = (cu[1:] - cu[:-1] - min_position).clamp(min=0)
+    seq_of = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    candidates = spans(cu[:-1] + min_position, lengths)
+    return draw_anchors(candidates, seq_of, lengths.numel(), per_seq, generator, draw_when_all_fit=True)

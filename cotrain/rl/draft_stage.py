@@ -1,17 +1,11 @@
 """The co-trained drafter inside a Megatron trainer: taps through the TapChannel, the drafter on the last stage.
 
-On every rank of the trainer's world (built collectively at start-up):
+Built collectively at start-up:
 
-- a :class:`~cotrain.tapchannel.TapChannel` for this rank's pipeline, reading into the last stage,
-  and tap hooks on the tap layers this rank's stage runs (the writers); the hooks are switched on
-  only for the forward that feeds the drafter (the log-prob recomputation: see docs/cotrain.md);
-
-on the last pipeline stage (every TP rank holds a replica of the drafter: they see the same rows and
-the TP-gathered logits, so the replicas stay identical; the gradient is reduced over the stage's
-DP x CP ranks):
-
-- an :class:`~cotrain.draft.online.OnlineDraftTrainer` with the drafter (``draft.init`` or from
-  scratch), its optimizer and schedule.
+    every rank    a TapChannel for its pipeline (read into the last stage), tap hooks on the tap layers
+                  its stage runs, on only for the forward that feeds the drafter (the log-prob recompute)
+    last stage    an OnlineDraftTrainer (``draft.init`` or from scratch), one replica per TP rank (same
+                  rows, TP-gathered logits: identical replicas); gradients reduced over DP x CP
 
 One step, called by :class:`~cotrain.rl.trainer.MegatronPolicyWorker`::
 
@@ -20,23 +14,20 @@ One step, called by :class:`~cotrain.rl.trainer.MegatronPolicyWorker`::
                        stage.after_logits(i, rows, logits)      (last stage, after the policy's logits)
     metrics = stage.end()                     # drafter optimizer step(s); tap statistics
 
-Shared tensors: the drafter borrows the policy's token embedding (all families) and LM head
-(DFlash / DSpark); vLLM serves the drafter with the served policy's, so before every drafter step
-they are copied from the current policy: the embedding from the first stage (gathered over TP,
-broadcast over the pipeline when PP > 1: V x H values per step), the LM head from the last stage.
-The policy's vocab-parallel logits are gathered over TP (b x S x V values per microbatch per TP
-rank) so that the drafter's loss sees the full distribution.
+What moves each step (vLLM serves the drafter with the served policy's embedding and LM head, so the
+drafter borrows the current policy's before every step of its own):
 
-With ``draft.branches: on_policy`` the log-prob forward also keeps every layer's stem keys and
-values (:class:`~cotrain.parallel.megatron_adapter.StemKV`), and the drafter's trainer gets a scorer
-that runs the policy over its branch tokens on them
-(:class:`~cotrain.parallel.megatron_adapter.TreePipeline`; docs/cotrain.md). At PP = 1 the drafter
-runs on each microbatch right after its logits, the tree forward on that microbatch's stem. At
-PP > 1 the earlier stages are busy in Megatron's schedule while the last stage sees a microbatch's
-logits (a collective there would deadlock), so the tree forward is deferred: every stage keeps the
-stem keys/values of every microbatch, the last stage keeps the drafter's microbatches (rows, taps,
-logits), and in :meth:`DraftStage.end`, after the schedule, the last stage runs them one by one, its
-scorer driving the tree forward through the pipeline while the earlier stages serve it.
+    embedding  [V, H]      every family; first stage, gathered over TP, broadcast over PP when PP > 1
+    LM head    [V, H]      DFlash / DSpark; last stage
+    logits     [b, S, V]   per microbatch: the policy's vocab-parallel logits gathered over TP
+
+``draft.branches: on_policy``: the log-prob forward also keeps every layer's stem keys and values
+(:class:`~cotrain.parallel.megatron_adapter.StemKV`) and the drafter's scorer runs the policy over
+the branch tokens on them (:class:`~cotrain.parallel.megatron_adapter.TreePipeline`;
+docs/cotrain.md). At PP = 1 right after each microbatch's logits; at PP > 1 deferred (a collective
+inside Megatron's schedule would deadlock): every stage keeps its microbatches' stem keys/values,
+the last stage the drafter's microbatches, and :meth:`DraftStage.end` runs them one by one after the
+schedule, the earlier stages serving the tree forward.
 """
 
 from __future__ import annotations

@@ -409,11 +409,15 @@ class MegatronPolicyWorker:
         by the mini-batch's global response-token (sequence) count. A batch of at most
         global_batch_size sequences is one mini-batch.
 
-        Metrics: ``loss``, ``grad_norm`` (before clipping) and ``clip_frac`` are means over the
-        optimizer steps, ``ratio_max`` the largest ratio of any step, ``kl_ref`` the token mean of
-        the k3 KL to the reference over the first pass (each sequence once, each mini-batch on the
-        weights before its own step), ``optimizer_steps`` the optimizer steps taken since the start
-        of the run, ``lr`` the learning rate of the last of them.
+        Metrics:
+
+            loss, grad_norm, clip_frac   means over the optimizer steps (grad_norm before clipping)
+            ratio_max                    the largest ratio of any step
+            kl_ref                       token mean of the k3 KL to the reference over the first pass
+                                         (each sequence once, each mini-batch on the weights
+                                         before its own step)
+            optimizer_steps              optimizer steps since the start of the run
+            lr                           the learning rate of the last of them
         """
         g = self.cfg.grpo
         gbs = min(g.global_batch_size or len(batch), len(batch))  # a smaller batch: one mini-batch

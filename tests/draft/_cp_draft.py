@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from cotrain.draft import reference
+from reference import draft_path
 from cotrain.draft.common import DraftBatch
 from cotrain.draft.cp import fetch_rows
 from cotrain.draft.losses import soft_ce
@@ -34,7 +34,7 @@ def run_family(kind, target_path, rank, cp, group=None, blocks_on_rank=None, old
 
     blocks_on_rank (block drafters): anchors only among the candidates that CP rank (of a CP = 2
     layout) holds, the same anchors at any cp: the other rank owns no block.
-    old: the path before issue 17 (cotrain.draft.reference: all-zero main queries, dense buckets at
+    old: the earlier path (reference.draft_path: all-zero main queries, dense buckets at
     CP = 1, the loss on full tensors)."""
     target = TargetSpec.from_checkpoint(target_path)
     d = build_drafter(kind, SETTINGS[kind], target, seed=3)
@@ -52,7 +52,7 @@ def run_family(kind, target_path, rank, cp, group=None, blocks_on_rank=None, old
                            None, full.response_start)
     else:
         batch = full
-    with reference.dense_attention() if old else contextlib.nullcontext():
+    with draft_path.dense_attention() if old else contextlib.nullcontext():
         out = d(batch, layout, group=group)
     # targets: this rank holds only its zigzag shard of the target logits; fetch_rows brings the
     # rows its chains need from their owners
@@ -72,7 +72,7 @@ def run_family(kind, target_path, rank, cp, group=None, blocks_on_rank=None, old
         remote = int((anchor_owner(full.cu_seqlens, r, cp) != rank).sum())
     n_global = int(d(full, layout.with_cp(1)).valid.sum())
     if old:  # the old loss on full tensors, unweighted like soft_ce here
-        loss = reference.draft_loss("soft_ce", dataclasses.replace(out, loss_weight=None), p)[0]
+        loss = draft_path.draft_loss("soft_ce", dataclasses.replace(out, loss_weight=None), p)[0]
     else:
         loss = soft_ce(out.logits, p, out.valid)
     loss = loss * out.valid.sum() / n_global

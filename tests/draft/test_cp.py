@@ -30,7 +30,7 @@ def test_cp2_matches_cp1(tiny_model_path, one_thread):
 
 
 def test_new_path_matches_the_old_at_cp1_and_cp2(tiny_model_path, one_thread):
-    # issue 17: no main queries (q=None) and kernel tiles instead of all-zero main queries, dense
+    # the current path: no main queries (q=None) and kernel tiles instead of all-zero main queries, dense
     # buckets at CP = 1 and full-tensor losses: the same chains and gradients, at CP = 1 and CP = 2
     import _cp_draft
 

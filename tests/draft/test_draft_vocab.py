@@ -51,7 +51,7 @@ def test_head_rows_follow_their_tokens():
 
 
 def test_optimizer_moments_follow_the_rows():
-    from cotrain.draft.eagle3 import remap_optimizer_rows
+    from cotrain.draft.optim import remap_optimizer_rows
 
     w = torch.nn.Parameter(torch.zeros(3, 2))
     opt = torch.optim.AdamW([w])

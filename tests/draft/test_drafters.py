@@ -113,9 +113,9 @@ def test_layouts(drafters):
 def test_branch_attention_with_main_queries_equals_the_dense_oracle(drafters):
     """CP = 1 with main and branch queries (EAGLE-3's layout, 4 sequences): BranchAttention trains
     through the kernel tiles, not the dense mask, and gives the oracle's outputs and all six
-    gradients; the old bucketed dense path (cotrain.draft.reference, the bench's "before" arm)
+    gradients; the old bucketed dense path (reference.draft_path, the bench's "before" arm)
     gives them too."""
-    from cotrain.draft import reference
+    from reference import draft_path
     from cotrain.parallel import CPStats, dense_branch_attention as oracle
 
     d = drafters["eagle3"]
@@ -141,7 +141,7 @@ def test_branch_attention_with_main_queries_equals_the_dense_oracle(drafters):
         dense.branch_attention_mask = lambda *a: calls.append(1) or mask(*a)
         got = run(BranchAttention(lay))
         assert calls == []  # the training path never builds the dense mask
-        old = run(lambda *x: reference.dense_bucket_attention(*x, lay, bucket_tokens=64))
+        old = run(lambda *x: draft_path.dense_bucket_attention(*x, lay, bucket_tokens=64))
     finally:
         dense.branch_attention_mask = mask
     assert len(calls) > 2  # the old path: one dense call per bucket
@@ -184,8 +184,8 @@ def test_branch_attention_without_main_queries_equals_dense_branch_rows(drafters
 def test_eagle3_live_slot_passes_equal_the_old_slot_layout(target, passes):
     """EAGLE-3's passes 1..k-1 through the live slot and the LSE merge with the earlier pass keys give
     the chains and gradients of the old path (every TTT slot queried through the dense oracle, zero
-    queries for the others; cotrain.draft.reference), at k = 2 (no earlier keys) and k = 4."""
-    from cotrain.draft import reference
+    queries for the others; reference.draft_path), at k = 2 (no earlier keys) and k = 4."""
+    from reference import draft_path
 
     d = build_drafter("eagle3", {"ttt_steps": passes}, target, seed=1)
     b = batch_for(d, lens=(30, 5, 17, 40))
@@ -193,7 +193,7 @@ def test_eagle3_live_slot_passes_equal_the_old_slot_layout(target, passes):
 
     def run(old):
         d.zero_grad(set_to_none=True)
-        with reference.dense_attention() if old else contextlib.nullcontext():
+        with draft_path.dense_attention() if old else contextlib.nullcontext():
             out = d(b, lay)
         (out.logits * torch.linspace(-1, 1, out.logits.shape[-1])).sum().backward()
         return out.logits.detach(), {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}

@@ -124,7 +124,7 @@ def test_draft_loss_dispatch_and_errors():
     assert loss.item() == 0.0
 
 
-# ----- every loss through draft_loss against a hand computation (issue 18) -----------------------------
+# ----- every loss through draft_loss against a hand computation ----------------------------------------
 # two positions, vocabulary of 3:
 #   z0 = (0, 0, 0)      -> q0 = (1/3, 1/3, 1/3);   p0 = (.5, .25, .25)
 #   z1 = (ln 2, 0, 0)   -> q1 = (1/2, 1/4, 1/4);   p1 = (.7, .2, .1)
@@ -259,7 +259,7 @@ def test_dspark_confidence_label_is_detached():
     torch.testing.assert_close(conf.grad[0], (torch.sigmoid(conf.detach()[0]) - label) / 2, atol=1e-6, rtol=0)
 
 
-# ----- chunked on the device (issue 17) against the old full-tensor autograd (cotrain.draft.reference) ----------
+# ----- chunked on the device against the old full-tensor autograd (reference.draft_path) ----------
 def _random_case(seed, N=5, W=3, V=37, vocab=None):
     from cotrain.draft.vocab import DraftVocab
 
@@ -285,7 +285,7 @@ def test_chunked_loss_equals_the_full_tensor_autograd(name, vocab):
     target rows gathered chunk by chunk from the target logits (temperature 0.7), equals the old
     implementation on full (N, W, V) tensors (plain autograd): value, every metric, and the gradients
     of the logits and the confidence head; one chunk gives the same."""
-    from cotrain.draft import reference
+    from reference import draft_path
     from cotrain.draft.losses import target_dist
 
     logits, tl, rows, valid, labels, conf, dv = _random_case(7, vocab=vocab)
@@ -301,7 +301,7 @@ def test_chunked_loss_equals_the_full_tensor_autograd(name, vocab):
         loss.backward()
         return loss, {k: float(v) for k, v in m.items()}, z.grad, c.grad
 
-    ref = run(reference.draft_loss)
+    ref = run(draft_path.draft_loss)
     for kw in ({"chunk_elements": 2 * 3 * 37}, {}):
         got = run(draft_loss, **kw)
         torch.testing.assert_close(got[0], ref[0], atol=1e-6, rtol=1e-6)

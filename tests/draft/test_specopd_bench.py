@@ -1,4 +1,4 @@
-"""bench/specopd.py (issue 13's measurements): the sequential Draft-OPD baseline against a
+"""bench/specopd.py (SpecOPD's offline measurements): the sequential Draft-OPD baseline against a
 hand-rolled loop, the k / block-size checks, and a --quick run whose every reported number is
 recomputed here from the JSON's raw per-round data."""
 

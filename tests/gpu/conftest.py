@@ -3,7 +3,7 @@ carried wheels only (scripts/gpu_check.sh; docs/setup.md, "The GPU check").
 
 Every test collected here is marked ``gpu`` and, without CUDA, skipped with one reason. The modules
 are still imported on CPU (so an import that would fail there fails here first), and
-tests/test_gpu_check.py checks that they import, transitively, only packages the GPU machine has or
+tests/scripts/test_gpu_check.py checks that they import, transitively, only packages the GPU machine has or
 the check carries (scripts/gpu_machine.txt, scripts/gpu_wheels.txt): no ray, vllm or other package
 at module level that the machine lacks.
 """

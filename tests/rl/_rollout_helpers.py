@@ -109,7 +109,7 @@ def sampling_tv(probs: torch.Tensor, n: int) -> float:
 def make_dflash_drafter(out: str | Path, arch: dict, *, seed: int = 0, num_layers: int = 1,
                         target_layer_ids: tuple[int, ...] = (0, 2), mask_token_id: int = 2,
                         scale: float = 0.05) -> dict[str, torch.Tensor]:
-    """Write a random DFlash drafter for a Qwen3 target (vLLM's ``dflash`` format, STACK.md):
+    """Write a random DFlash drafter for a Qwen3 target (vLLM's ``dflash`` format):
     ``config.json`` + ``model.safetensors`` with the drafter's own tensors only (it borrows the
     target's ``embed_tokens`` and ``lm_head``). Returns the tensors."""
     from safetensors.torch import save_file

@@ -16,7 +16,7 @@ PP=1 run's export. Checked:
 - damaged or missing files and missing checkpoints are named; nothing half-written is left.
 
 Loading the export in vLLM is not tested here: an engine takes ~40 s to start on 2 cores
-(tests/test_vllm_parity.py checks vLLM against transformers on the same format).
+(tests/rl/test_vllm_parity.py checks vLLM against transformers on the same format).
 """
 
 import json

@@ -3,7 +3,7 @@ builds it (vLLM's sleep mode) gives the device back while it sleeps - the GPU's 
 most of what the engine held - and, woken, answers exactly as before and takes a policy push that
 its greedy output then follows; a whole colocated run on one GPU places the rank and the engine on
 it and takes two steps. (On CPU vLLM has no sleep mode and validation refuses the key:
-tests/test_config.py; the driver's sleep / wake / offload / onload order:
+tests/config/test_config_errors.py; the driver's sleep / wake / offload / onload order:
 tests/rl/test_driver_contract.py; the placement on fake GPUs: tests/test_placement.py.)"""
 
 from __future__ import annotations

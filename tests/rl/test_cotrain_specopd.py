@@ -1,4 +1,4 @@
-"""SpecOPD as the co-training objective in the GRPO step (``draft.branches: on_policy``, issue 13).
+"""SpecOPD as the co-training objective in the GRPO step (``draft.branches: on_policy``).
 
 - The Megatron policy's tree forward (the branch tokens attending to the stem keys/values captured
   in the log-prob forward, rotary by semantic position) gives, at every branch token, the logits of

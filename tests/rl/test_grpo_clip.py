@@ -1,5 +1,5 @@
-"""GRPO's clipped surrogate with asymmetric bounds and its KL term, by hand (issue 18: every other
-test used clip 0.2/0.2, where swapping the bounds changes nothing)."""
+"""GRPO's clipped surrogate with asymmetric bounds and its KL term, by hand (every other
+test uses clip 0.2/0.2, where swapping the bounds changes nothing)."""
 
 import math
 

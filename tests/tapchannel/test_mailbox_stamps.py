@@ -1,5 +1,5 @@
 """Stamps the reader must refuse, and a TapChannel read with copy=True that releases its slot only
-after the copy is taken (issue 18; one process, no torch.distributed)."""
+after the copy is taken (one process, no torch.distributed)."""
 
 import time
 

@@ -10,7 +10,7 @@ import pytest
 
 from cotrain.config import ConfigError, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "tests" / "configs" / "small.yaml"
 CUDA2 = ["cluster.device=cuda", "cluster.gpus_per_node=2"]
 KEY = "policy.context_parallel_impl"

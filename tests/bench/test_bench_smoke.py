@@ -9,6 +9,7 @@ baselines, speculation leaving greedy output unchanged).
 """
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_bench(name: str, tmp_path: Path, *extra: str) -> dict:
@@ -25,7 +26,10 @@ def run_bench(name: str, tmp_path: Path, *extra: str) -> dict:
                            "--png", str(png), *extra], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert png.stat().st_size > 10_000
-    return json.loads(out.read_text())
+    text = out.read_text()
+    # paths are recorded relative to the checkout or the model cache (bench/paths.py), never absolute
+    assert not re.findall(r'"/[^"/\s][^"]*"', text), re.findall(r'"/[^"/\s][^"]*"', text)[:5]
+    return json.loads(text)
 
 
 def _med(xs):
@@ -138,7 +142,7 @@ def test_drafters_bench(tmp_path):
 
 
 def test_drafters_train_paths_bench(tmp_path):
-    """The training-path comparison (issue 17): ratios recomputed from the per-round times and peaks,
+    """The training-path comparison (old path against the current one): ratios recomputed from the per-round times and peaks,
     both paths take the same first step (same drafter, batch and loss value: the paths are equal
     in value), and the current path computes fewer attention pairs for every family."""
     data = run_bench("drafters", tmp_path, "--train-paths")
@@ -209,7 +213,7 @@ def test_cotrain_e2e_bench(tmp_path):
             assert a["acceptance_short"] == pytest.approx(sum(x * n for x, n in w) / sum(n for _, n in w))
     assert S["arms"]["ngram"]["update_overhead"] == 0.0 and tot("ngram", "time/draft") == 0.0
     assert tot("cotrained_dflash", "time/draft") > 0 and tot("frozen_dflash", "time/draft") == 0.0
-    # issue 12's per-family keys: the co-trained arm's, with the frozen arm's beside them
+    # the per-family keys: the co-trained arm's, with the frozen arm's beside them
     s, c, f = S["dflash"], S["arms"]["cotrained_dflash"], S["arms"]["frozen_dflash"]
     assert (s["rollout_speedup"], s["e2e_speedup"], s["update_overhead"], s["tap_wait_fraction"]) == (
         c["rollout_speedup"], c["e2e_speedup"], c["update_overhead"], c["tap_wait_fraction"])

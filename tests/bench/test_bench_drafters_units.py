@@ -4,7 +4,7 @@ engine order rotates, and the ratios are paired within a round (seconds apart), 
 import importlib.util
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("bench_drafters", ROOT / "bench" / "drafters.py")
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)

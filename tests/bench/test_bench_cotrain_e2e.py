@@ -1,6 +1,6 @@
 """bench/cotrain_e2e.py's summary of the co-training objectives' arms, recomputed here from raw steps.
 
-The end-to-end smoke test (tests/test_bench_smoke.py) runs the script itself; these check, in well
+The end-to-end smoke test (tests/bench/test_bench_smoke.py) runs the script itself; these check, in well
 under a second, what it derives from per-step metrics when a run has the on-policy co-trained arm
 (``--branches teacher_forced,on_policy``) and one plain seed (``--plain-seeds 1``): the numbers are
 drawn at random and every summary value is recomputed from them independently.

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ABSENT_THERE = ("ray", "vllm", "flash_attn", "transformer_engine", "apex")
 
 

@@ -13,7 +13,7 @@ from cotrain.models.tokenizer import build_tokenizer
 from cotrain.tasks.data import Problem, PromptStream, arithmetic_dataset, arithmetic_problem, load_jsonl
 from cotrain.tasks.rewards import exact_match_reward
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_tokenizer_is_char_level_and_round_trips():

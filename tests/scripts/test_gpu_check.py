@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: what the GPU machine does not have (its description); none of it may load in a GPU test
 ABSENT_THERE = ("ray", "vllm", "flash_attn", "transformer_engine", "apex")
 STAGES = ["env", "wheels", "imports", "pytest-gpu", "cotrain-step", "verify-cost", "cp-attention", "tapchannel",

@@ -1,4 +1,4 @@
-"""The drafter's training path before issue 17, kept as a reference for tests and bench/drafters.py only.
+"""The drafter's earlier training path, kept as a reference for tests and bench/drafters.py only.
 
 Nothing in cotrain imports this module; tests compare the training path against it and the
 benchmark times it as the "before" arm.

@@ -19,7 +19,7 @@ from cotrain.tasks.gcd import (gcd_dataset, gcd_problem, gcd_prompt, gcd_solutio
                                parse_prompt, solution_of)
 from cotrain.tasks.rewards import exact_match_reward, extract_answer, grade
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------------------------ the task
