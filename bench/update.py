@@ -485,7 +485,7 @@ def lp_diff(a, b, mask) -> float:
 def run_workload(name: str, args, progress: bool) -> dict:
     from tqdm import tqdm
 
-    from cotrain.config.validate import packing_budget
+    from cotrain.config.derived import packing_budget
     from cotrain.models.build_tiny import resolve_model_path
     from cotrain.rl.driver import resolve_draft_init
 

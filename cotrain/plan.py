@@ -219,7 +219,7 @@ def make_plan(cfg, arch: Arch, hw: Hardware, num_nodes: Optional[int] = None) ->
     rollout = cfg.grpo.prompts_per_step * cfg.grpo.group_size
     M = max(1, rollout // (dp * b))
     if pol.packing:  # packed micro batches of at most the token budget; the worst case: every sequence max_seq_len
-        from cotrain.config.validate import packing_budget
+        from cotrain.config.derived import packing_budget
 
         budget = packing_budget(cfg)
         T = -(-budget // c)

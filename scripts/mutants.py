@@ -384,7 +384,7 @@ MUTANTS: list[Mutant] = [
     M("config.kl_without_reference_accepted", "cotrain/config/validate.py",
       "if g.kl_coef > 0 and not pol.reference_model:", "if g.kl_coef > 0 and pol.reference_model:",
       ["tests/config/test_config_errors.py", "-k", "kl"], "kl_coef > 0 without a reference model passes validation"),
-    M("config.optimizer_steps_ignore_epochs", "cotrain/config/validate.py",
+    M("config.optimizer_steps_ignore_epochs", "cotrain/config/derived.py",
       "return g.num_steps * (B // gbs) * g.epochs", "return g.num_steps * (B // gbs)",
       ["tests/config/test_config.py", "tests/config/test_config_steps.py"], "the LR schedule's length ignores grpo.epochs"),
     # ----- cotrain/tasks ----------------------------------------------------------------------------------------

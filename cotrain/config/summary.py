@@ -46,7 +46,7 @@ def summary_rows(cfg: CotrainConfig) -> list[tuple[str, str]]:
         rows.append(("drafter", f"{d.kind} ({how}); {extra}"))
     mb = cfg.micro_batches_per_update
     if pol.packing:
-        from cotrain.config.validate import packing_budget
+        from cotrain.config.derived import packing_budget
 
         packed = f"packed micro batches of up to {packing_budget(cfg)} tokens per DP rank"
     else:

@@ -24,9 +24,10 @@ from typing import Any, Callable
 from pydantic import ValidationError
 
 from .errors import ConfigError, from_validation_error
+from .derived import engine_defaults, packing_budget, total_optimizer_steps
 from .schema import CotrainConfig, DraftKindConfig, draft_kinds, get_draft_kind, on_policy_kinds
 
-__all__ = ["ModelArch", "load_model_arch", "check_config", "config_from_dict", "engine_defaults", "CHECKS"]
+__all__ = ["ModelArch", "load_model_arch", "check_config", "config_from_dict", "CHECKS"]
 
 Issue = tuple[str, str]
 
@@ -114,21 +115,6 @@ def _kind(cfg: CotrainConfig) -> DraftKindConfig | None:
 
 
 # ------------------------------------------------------------------------------------ resolve
-CPU_KV_CACHE_BYTES = 256 * 2**20  # vLLM's CPU default would ask for most of the machine's memory
-GPU_MEMORY_UTILIZATION = 0.85
-COLOCATED_GPU_MEMORY_UTILIZATION = 0.4  # the trainers hold the rest of the device
-
-
-def engine_defaults(cuda: bool, colocate: bool = False) -> dict[str, Any]:
-    """What an engine takes for the rollout.* keys left null (the one place they are decided; the
-    engines built outside a run use them too): eager on cpu; memory on cuda as a fraction of the
-    device, on cpu as an explicit KV-cache size."""
-    return {"enforce_eager": not cuda,
-            "gpu_memory_utilization": (COLOCATED_GPU_MEMORY_UTILIZATION if colocate else GPU_MEMORY_UTILIZATION)
-            if cuda else None,
-            "kv_cache_memory_bytes": None if cuda else CPU_KV_CACHE_BYTES}
-
-
 def resolve(cfg: CotrainConfig, arch: ModelArch | None) -> None:
     """Replace the documented null / auto values by concrete ones (in place)."""
     c, r = cfg.cluster, cfg.rollout
@@ -366,23 +352,6 @@ def _check_async(cfg: CotrainConfig) -> list[Issue]:
         issues.append(("grpo.importance_cap", "acts only with grpo.importance_correction: tis or mis "
                        "(none: no correction)"))
     return issues
-
-
-def packing_budget(cfg: CotrainConfig) -> int:
-    """The packed micro batch's token budget: policy.max_tokens_per_microbatch, else micro_batch_size *
-    max_seq_len."""
-    pol = cfg.policy
-    return pol.max_tokens_per_microbatch or pol.micro_batch_size * pol.max_seq_len
-
-
-def total_optimizer_steps(cfg: CotrainConfig) -> int | None:
-    """The policy's optimizer steps over the run: grpo.num_steps x (prompts_per_step * group_size /
-    global_batch_size) x epochs (None when global_batch_size does not divide the rollout batch)."""
-    g, B = cfg.grpo, cfg.rollout_batch_size
-    gbs = g.global_batch_size or B
-    if B % gbs:
-        return None
-    return g.num_steps * (B // gbs) * g.epochs
 
 
 def check_rollout(cfg: CotrainConfig) -> list[Issue]:

@@ -101,7 +101,7 @@ class DraftStage:
         specs = tap_specs(self.tap_layers, layout, width=hidden, dtype=dtype)
         mbs, S = cfg.policy.micro_batch_size, cfg.policy.max_seq_len
         if cfg.policy.packing:  # a packed row: at most the token budget (padded lengths), over C ranks
-            from cotrain.config.validate import packing_budget
+            from cotrain.config.derived import packing_budget
 
             max_tokens = -(-packing_budget(cfg) // self.cp)
         else:
@@ -256,7 +256,7 @@ class DraftStage:
         the log-prob forward captured for ``microbatch`` (through the pipeline at PP > 1:
         cotrain.parallel.megatron_adapter.TreePipeline), its logits tempered and filtered as the
         log-prob forward's (the sampling distribution)."""
-        from cotrain.rl.sampling_filter import filter_active, keep_mask
+        from cotrain.rl.sampling_filter import sampling_logits
 
         s = self.cfg.rollout.sampling
 
@@ -270,10 +270,8 @@ class DraftStage:
                 from megatron.core import tensor_parallel
 
                 logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
-            logits = logits.float() / (s.temperature or 1.0)
-            if filter_active(s.temperature, s.top_k, s.top_p):
-                logits = logits.masked_fill(~keep_mask(logits, s.top_k, s.top_p), float("-inf"))
-            return logits
+            logits, keep = sampling_logits(logits, s)
+            return logits if keep is None else logits.masked_fill(~keep, float("-inf"))
         return score
 
     def end(self) -> Optional[dict]:

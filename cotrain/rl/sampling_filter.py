@@ -78,3 +78,16 @@ def keep_mask(logits: torch.Tensor, top_k: int, top_p: float, group=None, vocab_
     full = _gather_vocab(x, group) if tp > 1 else x
     keep = _keep_full(full, k, top_p)
     return keep[:, vocab_start:vocab_start + shape[-1]].reshape(shape)
+
+
+def sampling_logits(logits: torch.Tensor, sampling, group=None, vocab_start: int = 0
+                    ) -> tuple[torch.Tensor, "torch.Tensor | None"]:
+    """The distribution the engines sample from, on the trainer's logits: ``(logits.float() / T,
+    keep)``, ``keep`` the kept set (:func:`keep_mask` of the tempered logits, bool, their shape) or
+    None when ``sampling`` (rollout.sampling: temperature, top_k, top_p) does not filter. Its
+    log-softmax with -inf outside ``keep`` is vLLM's ``processed_logprobs``. ``group`` /
+    ``vocab_start``: the vocab-parallel slice, as for :func:`keep_mask`."""
+    tempered = logits.float() / (sampling.temperature or 1.0)
+    if not filter_active(sampling.temperature, sampling.top_k, sampling.top_p):
+        return tempered, None
+    return tempered, keep_mask(tempered.detach(), sampling.top_k, sampling.top_p, group=group, vocab_start=vocab_start)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cotrain.config.validate import packing_budget, total_optimizer_steps
+from cotrain.config.derived import packing_budget, total_optimizer_steps
 from cotrain.draft.optim import apply_config
 from cotrain.models import convert
 from cotrain.models.hf_io import load_hf_checkpoint
@@ -34,7 +34,7 @@ from cotrain.parallel.zigzag import zigzag_merge
 from cotrain.rl.batch import TrainBatch
 from cotrain.rl.packing import PackedMicro, rank_micro_batches
 from cotrain.rl.grpo import aggregate, grpo_token_losses
-from cotrain.rl.sampling_filter import filter_active, keep_mask
+from cotrain.rl.sampling_filter import sampling_logits
 from cotrain.seeding import mix
 
 from megatron.core import parallel_state as ps  # noqa: E402  (after the compat layer)
@@ -295,13 +295,11 @@ class MegatronPolicyWorker:
 
     def _logprobs_from_logits(self, logits: torch.Tensor, targets: torch.Tensor, on_logits=None) -> torch.Tensor:
         """[b, s, V/tp] logits -> log pi(targets) [b, s] (see :meth:`_token_logprobs`)."""
-        s = self.cfg.rollout.sampling
-        logits = logits.float() / (s.temperature or 1.0)
-        if filter_active(s.temperature, s.top_k, s.top_p):
-            tp = ps.get_tensor_model_parallel_world_size()
-            start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
-            keep = keep_mask(logits.detach(), s.top_k, s.top_p, group=ps.get_tensor_model_parallel_group() if tp > 1
-                             else None, vocab_start=start)
+        tp = ps.get_tensor_model_parallel_world_size()
+        start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
+        logits, keep = sampling_logits(logits, self.cfg.rollout.sampling,
+                                       group=ps.get_tensor_model_parallel_group() if tp > 1 else None, vocab_start=start)
+        if keep is not None:
             if on_logits is not None:
                 on_logits(logits.detach().masked_fill(~keep, float("-inf")))
             # the target always counts, so every log-prob is finite: a prompt token outside the set

@@ -3,7 +3,7 @@
 import pytest
 
 from cotrain.config import load_config
-from cotrain.config.validate import total_optimizer_steps
+from cotrain.config.derived import total_optimizer_steps
 
 
 @pytest.mark.parametrize("gbs, epochs, want", [(None, 1, 5), (8, 1, 10), (8, 3, 30), (4, 2, 40)])

@@ -2,7 +2,7 @@
 
 On CPU, vLLM needs eager mode and an explicit KV-cache size (its default asks for 92% of memory,
 which fails on a machine that also runs the trainers). The settings a run leaves null are decided once, by
-:func:`cotrain.config.validate.engine_defaults`, for runs and for engines built here alike.
+:func:`cotrain.config.derived.engine_defaults`, for runs and for engines built here alike.
 Scripts that create an engine in the default multi-process mode need an
 ``if __name__ == "__main__":`` guard, because the engine core runs in a spawned process.
 
@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 import torch
 
-from cotrain.config.validate import engine_defaults
+from cotrain.config.derived import engine_defaults
 
 #: the worker extension (weight pushes, CPU repairs) an engine made by make_cotrain_llm loads
 WORKER_EXTENSION = "cotrain.rl.vllm.extension.CotrainWorkerExtension"
