@@ -1,0 +1,173 @@
+"""bench/specopd_grid.py (``bench/specopd.py --grid``): the plateau test and the paired gains on
+synthetic data, and its acceptance estimate against independent references - the teacher-forced
+serving walk of cotrain.draft.acceptance (T = 0) and plain target forwards on context + own drafts
+(T = 1)."""
+
+import importlib.util
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("bench_specopd_grid", REPO / "bench" / "specopd_grid.py")
+grid = importlib.util.module_from_spec(_spec)
+sys.modules["bench_specopd_grid"] = grid
+_spec.loader.exec_module(grid)
+
+
+# ------------------------------------------------------------------------------ synthetic summaries
+def test_plateau_is_the_last_quarter_relative_gain():
+    # 8 rounds: the last quarter runs from round 6 to round 8
+    curve = [2.0, 2.5, 2.8, 3.0, 3.1, 3.15, 3.2, 3.21, 3.22]
+    p = grid.plateau(curve, 1.0)
+    assert p["from_round"] == 6
+    assert p["last_quarter_gain_pct"] == pytest.approx(100 * (3.22 / 3.2 - 1))
+    assert p["plateaued"]  # +0.63 % < 1 %
+    rising = [2.0, 2.2, 2.4, 2.6, 2.8, 3.0, 3.2, 3.4, 3.6]
+    p = grid.plateau(rising, 1.0)
+    assert p["last_quarter_gain_pct"] == pytest.approx(100 * (3.6 / 3.2 - 1)) and not p["plateaued"]
+    two = grid.plateau([2.0, 2.5, 2.6], 1.0)  # 2 rounds: the last quarter is the last round
+    assert two["from_round"] == 1 and two["last_quarter_gain_pct"] == pytest.approx(4.0) and not two["plateaued"]
+    assert grid.plateau([2.0, 1.9, 1.8, 1.7, 1.6], 1.0)["plateaued"]  # falling counts as flat (no gain left)
+    with pytest.raises(ValueError, match="at least two points"):
+        grid.plateau([2.0], 1.0)
+
+
+def _cell(lengths: dict, curve: dict) -> dict:
+    """A synthetic cell: acceptance length per arm (both temperatures the same + a T offset)."""
+    ev = {}
+    for arm, L in lengths.items():
+        surv = [max(0.0, (L - 1) / grid.K)] * grid.K  # survival adding up to L - 1
+        ev[arm] = {"0": {"acceptance_len": L, "survival": surv},
+                   "1": {"acceptance_len": L - 0.5, "survival": [s / 2 for s in surv]}}
+    return {"eval": ev, "curve": curve}
+
+
+def test_summary_gains_and_plateau_recomputed_by_hand():
+    arms = ["init", *grid.OBJECTIVES]
+    per_seed = {"0": [2.0, 3.0, 2.8, 2.7, 3.3], "1": [2.1, 3.2, 2.9, 3.0, 3.1], "2": [1.9, 2.9, 3.0, 2.6, 3.0]}
+    flat = [2.0, 2.5, 3.0, 3.0, 3.0]
+    rising = [2.0, 2.2, 2.4, 2.6, 2.8]
+    data = {"config": {"plateau_pct": 1.0}, "cells": {"dflash": {
+        s: _cell(dict(zip(arms, v)), {a: (flat if a.startswith("off") else rising) for a in grid.OBJECTIVES})
+        for s, v in per_seed.items()}}}
+    s = grid.summarize(data)["dflash"]
+    assert s["seeds"] == ["0", "1", "2"]
+    ce = s["acceptance"]["0"]["offpolicy_ce"]["acceptance_len"]
+    assert (ce["median"], ce["min"], ce["max"]) == (3.0, 2.9, 3.2)
+    g = s["gains_pct"]["0"]["onpolicy_accept_tv"]["offpolicy_ce"]
+    paired = [100 * (3.3 / 3.0 - 1), 100 * (3.1 / 3.2 - 1), 100 * (3.0 / 2.9 - 1)]
+    assert (g["paired"]["median"], g["paired"]["min"], g["paired"]["max"]) == pytest.approx(
+        (statistics.median(paired), min(paired), max(paired)))
+    assert g["of_medians"] == pytest.approx(100 * (3.1 / 3.0 - 1))
+    g1 = s["gains_pct"]["1"]["onpolicy_e2e_tv"]["offpolicy_e2e_tv"]["paired_per_seed"]
+    assert g1["1"] == pytest.approx(100 * (2.5 / 2.4 - 1))
+    assert all(v["plateaued"] for v in s["plateau"]["offpolicy_ce"].values())
+    assert not any(v["plateaued"] for v in s["plateau"]["onpolicy_e2e_tv"].values())
+    assert s["acceptance"]["1"]["init"]["survival"][0]["median"] == pytest.approx((2.0 - 1) / grid.K / 2)
+    md = grid.markdown({"config": {"command": "x", "date": "d", "torch": "t", "cpu_count": 2, "target": "tiny",
+                                   "warm_steps": 1, "steps": 4, "batch_size": 2, "pool": 9, "eval_seqs": 3,
+                                   "seeds": [0, 1, 2, 3], "families": ["dflash", "eagle3"], "plateau_pct": 1.0},
+                        "summary": {"dflash": s}, "seconds": 1.0})
+    assert "Cells missing: dflash, eagle3." in md  # dflash has 3 of 4 seeds, eagle3 none
+    assert "| DFlash | off-policy CE | 3 | 3.000 [2.900, 3.200] |" in md
+
+
+# ------------------------------------------------------------------------------ acceptance estimate
+@pytest.fixture(scope="module")
+def drafters(hf_target, target):
+    """DFlash, EAGLE-3 and DSpark at k = 7 after 25 soft-CE steps on 48 greedy tiny responses, and the
+    held-out greedy records (8 tokens of continuation after EOS)."""
+    from cotrain.draft.common import select_sequences
+    from cotrain.draft.distill import generate_records, load_prompts, records_to_batch, train_step
+    from cotrain.draft.optim import make_optimizer
+    from cotrain.draft.registry import build_drafter
+
+    model, tok = hf_target
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cfgs = {f: grid.family_config("tiny", f, 16, constant=False) for f in grid.FAMILIES}
+    prompts = load_prompts(cfgs["dflash"].data, 60, 7)
+    records = generate_records(model, tok, prompts, 16, 8)
+    out = {}
+    for f, cfg in cfgs.items():
+        d = build_drafter(f, cfg.draft.settings, target, seed=1)
+        train = records_to_batch(records[:48], model, d.tap_layers)
+        opt = make_optimizer(d, cfg.draft.optimizer)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(25):
+            train_step(d, select_sequences(train, torch.randint(0, 48, (16,), generator=g)), "soft_ce", opt, 1.0, g)
+        d.eval()
+        out[f] = (d, records_to_batch(records[48:], model, d.tap_layers))
+    torch.set_num_threads(old)
+    return out, records[48:]
+
+
+@pytest.mark.parametrize("family", grid.FAMILIES)
+def test_t0_walk_equals_the_teacher_forced_serving_walk(drafters, hf_target, target, family, one_thread):
+    """On the target's greedy responses, drafting from the drafter's own drafts and accepting while
+    they are the target's argmax walks exactly like the teacher-forced estimator (whenever draft j
+    matters, the drafts before it equal the reference tokens)."""
+    from cotrain.draft.acceptance import estimate_acceptance
+
+    (ds, _), (model, _) = drafters, hf_target
+    d, batch = ds[family]
+    eos = target.eos_token_id
+    got = grid.branch_acceptance(d, model, batch, eos, k=grid.K, walk=True, seqs_per_chunk=5)
+    ref = estimate_acceptance(d, batch, k=grid.K, eos_token_id=eos)
+    assert got["walk"]["rounds"] == ref.rounds and got["walk"]["accepted"] == ref.accepted
+    assert got["walk"]["histogram"] == ref.histogram
+    assert got["walk"]["acceptance_len"] == pytest.approx(ref.walk_len, abs=1e-12)
+    assert 0 < ref.accepted < ref.rounds * grid.K  # some drafts accepted, not all
+    h = ref.histogram
+    assert got["walk"]["survival"] == pytest.approx([sum(h[j:]) / ref.rounds for j in range(1, grid.K + 1)])
+    assert got["walk"]["acceptance_len"] == pytest.approx(1 + sum(got["walk"]["survival"]))
+
+
+@pytest.mark.parametrize("family", ["dflash", "eagle3"])
+def test_t1_survival_from_plain_forwards_on_own_drafts(drafters, hf_target, target, family, one_thread):
+    """T = 1 survival by hand at every serving position of eight held-out sequences: the drafter's
+    greedy drafts (EAGLE-3: pass by pass on its own previous draft; DFlash: one block), then plain
+    HF forwards of context + y_<j give p_j(y_j); s_j = mean prod_{i<=j} p_i(y_i); T = 0 the same
+    with 1[y_i = argmax p_i]."""
+    from cotrain.draft.common import select_sequences
+    from cotrain.draft.specopd import sample_branches
+
+    (ds, records), (model, _) = drafters, hf_target
+    d, batch = ds[family]
+    eos = target.eos_token_id
+    sub = select_sequences(batch, torch.arange(8))
+    got = grid.branch_acceptance(d, model, sub, eos, k=grid.K, walk=False)
+    layout = d.build_layout(sub, all_anchors=True) if family == "dflash" else d.build_layout(sub)
+    with torch.no_grad():
+        br = sample_branches(d, sub, layout, temperature=0.0)
+    ids = sub.input_ids.tolist()
+    serving = grid._serving_bonus(sub, eos)
+    s1, s0, n = [0.0] * grid.K, [0.0] * grid.K, 0
+    for b_row, b in enumerate(br.bonus_pos.tolist()):
+        if not serving[b]:
+            continue
+        seq = int(sub.seq_of[b])
+        start = int(sub.cu_seqlens[seq])
+        ctx = ids[start:b + 1]
+        y = br.tokens[b_row].tolist()
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ctx + y[:-1]])).logits[0].float()
+        p = F.softmax(logits[len(ctx) - 1:], -1)  # row j: the distribution of draft j + 1
+        prod1 = prod0 = 1.0
+        for j in range(grid.K):
+            prod1 *= float(p[j, y[j]])
+            prod0 *= float(int(p[j].argmax()) == y[j])
+            s1[j] += prod1
+            s0[j] += prod0
+        n += 1
+    assert n == got["positions"] and n > 10
+    assert got["1"]["survival"] == pytest.approx([x / n for x in s1], abs=2e-5)
+    assert got["0"]["survival"] == pytest.approx([x / n for x in s0], abs=1e-12)
+    assert got["1"]["acceptance_len"] == pytest.approx(1 + sum(x / n for x in s1), abs=1e-4)
+    assert got["0"]["survival"][0] > 0  # the check is not vacuous
