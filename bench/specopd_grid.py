@@ -36,8 +36,8 @@ context + y_{<j}. Then
             a sampled walk's round starts) and the length 1 + sum_j s_j.
 
 The curve (plateau) is the T = 0 length on ``--curve-seqs`` of the held-out greedy sequences after
-every round. Plateau: the last quarter of the steps gained less than ``--plateau-pct`` percent of the
-length at the start of that quarter (:func:`plateau`).
+every round. Plateau: the last quarter of the steps gained less than ``--plateau-pct`` percent over
+the quarter before (means of the curve points, :func:`plateau`).
 
 Outputs: ``bench/results/specopd-<target>.json``, rewritten after every (family, seed) cell, so a run
 that is cut off keeps its finished cells and a rerun with the same settings resumes at the first
@@ -87,8 +87,8 @@ CONFIGS = {
         "draft.optimizer.lr=2.0e-3", "data.task=gcd", "data.max_new_tokens=160", "data.temperature=1.0"]),
 }
 PRESETS = {
-    "default": dict(seeds=[0, 1, 2], warm_steps=150, steps=600, rounds=8, batch_size=32, pool=4000,
-                    eval_seqs=200, curve_seqs=64),
+    "default": dict(seeds=[0, 1, 2], warm_steps=150, steps=480, rounds=12, batch_size=16, pool=4000,
+                    eval_seqs=200, curve_seqs=200),
     "quick": dict(seeds=[0, 1], warm_steps=2, steps=4, rounds=2, batch_size=4, pool=16, eval_seqs=6,
                   curve_seqs=3),
 }
@@ -103,15 +103,17 @@ def spread(xs) -> dict:
 def plateau(curve: list[float], pct: float) -> dict:
     """Has a training curve (the T = 0 length after every round, curve[0] = the start) flattened?
 
-    With R = len(curve) - 1 rounds and q = round(3R / 4): gain = 100 (curve[R] / curve[q] - 1),
-    the relative gain over the last quarter of the steps; plateaued iff gain < ``pct``."""
+    With R = len(curve) - 1 rounds and m = max(1, R // 4) rounds a quarter: gain = 100 (mean of the
+    last m points / mean of the m points before them - 1), the relative gain of the last quarter of
+    the steps over the quarter before (means of several points: one point of a curve set wobbles);
+    plateaued iff gain < ``pct``."""
     R = len(curve) - 1
-    if R < 1:
-        raise ValueError("a curve needs at least two points (the start and one round)")
-    q = round(3 * R / 4)
-    q = min(q, R - 1)
-    gain = 100.0 * (curve[R] / curve[q] - 1.0)
-    return {"last_quarter_gain_pct": gain, "from_round": q, "plateaued": gain < pct}
+    if R < 2:
+        raise ValueError("a curve needs at least three points (the start and two rounds)")
+    m = max(1, R // 4)
+    last, prev = curve[R - m + 1:], curve[R - 2 * m + 1:R - m + 1]
+    gain = 100.0 * (statistics.fmean(last) / statistics.fmean(prev) - 1.0)
+    return {"last_quarter_gain_pct": gain, "rounds_per_quarter": m, "plateaued": gain < pct}
 
 
 def paired_gains(on: dict, base: dict) -> dict:

@@ -21,21 +21,28 @@ _spec.loader.exec_module(grid)
 
 
 # ------------------------------------------------------------------------------ synthetic summaries
-def test_plateau_is_the_last_quarter_relative_gain():
-    # 8 rounds: the last quarter runs from round 6 to round 8
-    curve = [2.0, 2.5, 2.8, 3.0, 3.1, 3.15, 3.2, 3.21, 3.22]
+def test_plateau_is_the_last_quarter_over_the_quarter_before():
+    # 8 rounds, 2 a quarter: rounds 7-8 against rounds 5-6
+    curve = [2.0, 2.5, 2.8, 3.0, 3.1, 3.2, 3.2, 3.21, 3.22]
     p = grid.plateau(curve, 1.0)
-    assert p["from_round"] == 6
-    assert p["last_quarter_gain_pct"] == pytest.approx(100 * (3.22 / 3.2 - 1))
-    assert p["plateaued"]  # +0.63 % < 1 %
+    assert p["rounds_per_quarter"] == 2
+    assert p["last_quarter_gain_pct"] == pytest.approx(100 * ((3.21 + 3.22) / (3.2 + 3.2) - 1))
+    assert p["plateaued"]  # +0.47 %
+    assert not grid.plateau(curve, 0.4)["plateaued"]
     rising = [2.0, 2.2, 2.4, 2.6, 2.8, 3.0, 3.2, 3.4, 3.6]
     p = grid.plateau(rising, 1.0)
-    assert p["last_quarter_gain_pct"] == pytest.approx(100 * (3.6 / 3.2 - 1)) and not p["plateaued"]
-    two = grid.plateau([2.0, 2.5, 2.6], 1.0)  # 2 rounds: the last quarter is the last round
-    assert two["from_round"] == 1 and two["last_quarter_gain_pct"] == pytest.approx(4.0) and not two["plateaued"]
+    assert p["last_quarter_gain_pct"] == pytest.approx(100 * ((3.4 + 3.6) / (3.0 + 3.2) - 1)) and not p["plateaued"]
+    # 12 rounds, 3 a quarter; a wobbling flat curve is flat
+    wobble = [2.0, 2.6, 2.9, 3.0, 3.05, 3.1, 3.1, 3.16, 3.04, 3.12, 3.08, 3.14, 3.09]
+    p = grid.plateau(wobble, 1.0)
+    assert p["rounds_per_quarter"] == 3
+    assert p["last_quarter_gain_pct"] == pytest.approx(100 * ((3.08 + 3.14 + 3.09) / (3.16 + 3.04 + 3.12) - 1))
+    assert p["plateaued"]
+    two = grid.plateau([2.0, 2.5, 2.6], 1.0)  # 2 rounds: the last round against the first
+    assert two["last_quarter_gain_pct"] == pytest.approx(4.0) and not two["plateaued"]
     assert grid.plateau([2.0, 1.9, 1.8, 1.7, 1.6], 1.0)["plateaued"]  # falling counts as flat (no gain left)
-    with pytest.raises(ValueError, match="at least two points"):
-        grid.plateau([2.0], 1.0)
+    with pytest.raises(ValueError, match="at least three points"):
+        grid.plateau([2.0, 2.1], 1.0)
 
 
 def _cell(lengths: dict, curve: dict) -> dict:
