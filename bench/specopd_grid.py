@@ -87,8 +87,8 @@ CONFIGS = {
         "draft.optimizer.lr=2.0e-3", "data.task=gcd", "data.max_new_tokens=160", "data.temperature=1.0"]),
 }
 PRESETS = {
-    "default": dict(seeds=[0, 1, 2], warm_steps=150, steps=480, rounds=12, batch_size=16, pool=4000,
-                    eval_seqs=200, curve_seqs=200),
+    "default": dict(seeds=[0, 1, 2], warm_steps=100, steps=320, rounds=8, batch_size=16, pool=4000,
+                    eval_seqs=200, curve_seqs=100),
     "quick": dict(seeds=[0, 1], warm_steps=2, steps=4, rounds=2, batch_size=4, pool=16, eval_seqs=6,
                   curve_seqs=3),
 }

@@ -178,3 +178,49 @@ def test_t1_survival_from_plain_forwards_on_own_drafts(drafters, hf_target, targ
     assert got["0"]["survival"] == pytest.approx([x / n for x in s0], abs=1e-12)
     assert got["1"]["acceptance_len"] == pytest.approx(1 + sum(x / n for x in s1), abs=1e-4)
     assert got["0"]["survival"][0] > 0  # the check is not vacuous
+
+
+# ------------------------------------------------------------------------------ --grid --quick run
+@pytest.mark.slow  # three drafters x (2 + 4 x 4) steps in a subprocess: 10-40 s
+def test_quick_grid_same_budget_interleaved_and_recomputed(tmp_path):
+    import json
+    import subprocess
+
+    out = tmp_path / "grid.json"
+    cmd = [sys.executable, str(REPO / "bench" / "specopd.py"), "--grid", "--quick", "--seeds", "0", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    c = data["config"]
+    assert set(data["cells"]) == set(grid.FAMILIES)
+    for f, cells in data["cells"].items():
+        cell = cells["0"]
+        arms = list(grid.OBJECTIVES)
+        assert {cell[a]["steps"] for a in arms} == {c["steps"]}
+        assert len({cell[a]["batches_sha"] for a in arms}) == 1  # the same sequences at every step
+        assert {cell[a]["start_sha"] for a in arms} == {cell["init_sha"]} != {cell["random_init_sha"]}
+        assert len({cell[a]["final_sha"] for a in arms}) == len(arms)
+        # fresh sequences: steps x batch draws from the pool, every draw distinct until it is used up
+        assert cell["offpolicy_ce"]["distinct_sequences"] == min(c["pool"], c["steps"] * c["batch_size"])
+        assert [cell[a]["branches"] for a in arms] == ["teacher_forced", "teacher_forced", "on_policy", "on_policy"]
+        assert cell["onpolicy_accept_tv"]["loss"] == "accept_weighted_tv"
+        # interleaved: the order rotates every round; a curve point per round per arm
+        assert cell["order"] == [arms[r % 4:] + arms[:r % 4] for r in range(c["rounds"])]
+        assert all(len(cell["curve"][a]) == c["rounds"] + 1 for a in arms)
+        assert len({cell["curve"][a][0] for a in arms}) == 1  # the common start
+        ev = cell["eval"]
+        for arm in ["init", *arms]:
+            w = ev[arm]["0"]
+            assert w["acceptance_len"] == pytest.approx(1 + sum(w["survival"]))
+            assert ev[arm]["1"]["acceptance_len"] == pytest.approx(1 + sum(ev[arm]["1"]["survival"]))
+    assert json.loads(json.dumps(grid.summarize(data))) == data["summary"]  # stored = recomputed from the cells
+    # resume: the same command again trains nothing and keeps every cell
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert again.stdout.count("already") == len(grid.FAMILIES)
+    assert json.loads(out.read_text())["cells"] == data["cells"]
+    rep = subprocess.run([sys.executable, str(REPO / "bench" / "specopd.py"), "--report", str(out), "--png",
+                          str(tmp_path / "g.png")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr[-2000:]
+    assert "| DSpark | on-policy accept_weighted_tv | off-policy CE |" in rep.stdout
+    assert (tmp_path / "g.png").stat().st_size > 10_000
