@@ -87,7 +87,7 @@ CONFIGS = {
         "draft.optimizer.lr=2.0e-3", "data.task=gcd", "data.max_new_tokens=160", "data.temperature=1.0"]),
 }
 PRESETS = {
-    "default": dict(seeds=[0, 1, 2], warm_steps=100, steps=320, rounds=8, batch_size=16, pool=4000,
+    "default": dict(seeds=[0, 1], warm_steps=100, steps=320, rounds=8, batch_size=16, pool=4000,
                     eval_seqs=200, curve_seqs=100),
     "quick": dict(seeds=[0, 1], warm_steps=2, steps=4, rounds=2, batch_size=4, pool=16, eval_seqs=6,
                   curve_seqs=3),
@@ -136,14 +136,19 @@ def summarize(data: dict) -> dict:
         for T in TEMPS:
             for arm in arms:
                 per = {s: by_seed[s]["eval"][arm][T]["acceptance_len"] for s in seeds}
+                eos_per = {s: by_seed[s]["eval"][arm][T]["to_eos_len"] for s in seeds}
                 acc[T][arm] = {"acceptance_len": spread(per.values()), "per_seed": per,
+                               "to_eos_len": spread(eos_per.values()), "to_eos_per_seed": eos_per,
                                "survival": [spread([by_seed[s]["eval"][arm][T]["survival"][j] for s in seeds])
                                             for j in range(K)]}
         gains = {T: {on: {b: paired_gains(acc[T][on]["per_seed"], acc[T][b]["per_seed"]) for b in OFF}
                      for on in ON} for T in TEMPS}
+        gains_eos = {T: {on: {b: paired_gains(acc[T][on]["to_eos_per_seed"], acc[T][b]["to_eos_per_seed"])
+                              for b in OFF} for on in ON} for T in TEMPS}
         pct = data["config"]["plateau_pct"]
         plat = {arm: {s: plateau(by_seed[s]["curve"][arm], pct) for s in seeds} for arm in OBJECTIVES}
-        out[fam] = {"seeds": seeds, "acceptance": acc, "gains_pct": gains, "plateau": plat}
+        out[fam] = {"seeds": seeds, "acceptance": acc, "gains_pct": gains, "gains_to_eos_pct": gains_eos,
+                    "plateau": plat}
     return out
 
 
@@ -166,7 +171,8 @@ def branch_acceptance(drafter, model, batch, eos_token_id: int, k: int = K, walk
     was = drafter.training
     drafter.eval()
     accept_at: dict[int, int] = {}
-    surv0, surv1 = [], []
+    to_eos: dict[int, int] = {}
+    surv0, surv1, upto = [], [], []
     try:
         for s0 in range(0, batch.num_seqs, seqs_per_chunk):
             seqs = torch.arange(s0, min(s0 + seqs_per_chunk, batch.num_seqs))
@@ -185,22 +191,58 @@ def branch_acceptance(drafter, model, batch, eos_token_id: int, k: int = K, walk
             s0_ = torch.cumprod(hit[keep].to(torch.int64), 1)
             surv0.append(s0_.double())
             surv1.append(torch.cumprod(py[keep], 1))
-            for pos, L in zip((b[keep] + int(batch.cu_seqlens[s0])).tolist(), (1 + s0_.sum(1)).tolist()):
+            rem = _to_eos(sub, eos_token_id)[b[keep]]
+            upto.append(torch.arange(1, k + 1)[None] <= rem[:, None])  # draft j lies at or before the EOS
+            for pos, L, r in zip((b[keep] + int(batch.cu_seqlens[s0])).tolist(), (1 + s0_.sum(1)).tolist(),
+                                 rem.tolist()):
                 accept_at[pos] = L
+                to_eos[pos] = r
     finally:
         drafter.train(was)
-    s0_all, s1_all = torch.cat(surv0), torch.cat(surv1)
+    s0_all, s1_all, up = torch.cat(surv0), torch.cat(surv1), torch.cat(upto).double()
     per_position = {"0": {"acceptance_len": 1.0 + float(s0_all.sum(1).mean()),
                           "survival": s0_all.mean(0).tolist()},
                     "1": {"acceptance_len": 1.0 + float(s1_all.sum(1).mean()),
-                          "survival": s1_all.mean(0).tolist()},
+                          "survival": s1_all.mean(0).tolist(),
+                          "to_eos_len": 1.0 + float((s1_all * up).sum(1).mean())},
                     "positions": int(s0_all.shape[0])}
     if walk:
         rounds, accepted, hist = _walk(batch, accept_at, eos_token_id, k)
         per_position["walk"] = {"acceptance_len": 1.0 + accepted / rounds, "rounds": rounds, "accepted": accepted,
                                 "histogram": hist,
-                                "survival": [sum(hist[j:]) / rounds for j in range(1, k + 1)]}
+                                "survival": [sum(hist[j:]) / rounds for j in range(1, k + 1)],
+                                "to_eos_len": 1.0 + _walk_to_eos(batch, accept_at, to_eos, eos_token_id, k) / rounds}
     return per_position
+
+
+def _to_eos(batch, eos_token_id: int) -> torch.Tensor:
+    """(T,) for every packed position b: the number of tokens after b up to and including the
+    response's first EOS (drafts beyond it are accepted by vLLM when they match the target's
+    continuation, but cut from the output); the rest of the sequence where there is no EOS."""
+    out = torch.zeros(batch.num_tokens, dtype=torch.int64)
+    ids, cu, rs = batch.input_ids.tolist(), batch.cu_seqlens.tolist(), batch.response_start.tolist()
+    for s in range(batch.num_seqs):
+        a, e = cu[s], cu[s + 1]
+        resp = ids[a + rs[s]:e]
+        end = a + rs[s] + resp.index(eos_token_id) if eos_token_id in resp else e - 1
+        out[a:e] = torch.clamp(end - torch.arange(a, e), min=0)
+    return out
+
+
+def _walk_to_eos(batch, accept_at: dict, to_eos: dict, eos: int, k: int) -> int:
+    """The drafts the serving walk (:func:`cotrain.draft.acceptance._walk`, same rounds) accepts at
+    or before the response's EOS: what the accepted drafts add to the output."""
+    ids, cu = batch.input_ids.tolist(), batch.cu_seqlens.tolist()
+    useful = 0
+    for s in range(batch.num_seqs):
+        b, end = cu[s] + int(batch.response_start[s]), cu[s + 1]
+        while b < end and ids[b] != eos and b in accept_at:
+            L = accept_at[b]
+            useful += min(L - 1, to_eos[b])
+            if eos in ids[b + 1:b + 1 + L] or b + L >= end:
+                break
+            b += L
+    return useful
 
 
 def _serving_bonus(batch, eos_token_id: int) -> torch.Tensor:
@@ -360,7 +402,8 @@ def _r(x: dict, fmt: str = "{:.3f}") -> str:
 def markdown(data: dict) -> str:
     c, s = data["config"], data["summary"]
     fams = [f for f in FAMILIES if f in s]
-    missing = [f for f in c["families"] if f not in s or len(s[f]["seeds"]) < len(c["seeds"])]
+    missing = [f"{FAMILY_NAMES[f]} seed{'s' if len(m) > 1 else ''} {', '.join(m)}" for f in c["families"]
+               for m in [[str(sd) for sd in c["seeds"] if f not in s or str(sd) not in s[f]["seeds"]]] if m]
     lines = [f"Measured with `{c['command']}` on cpu ({c['date']}, torch {c['torch']}, {c['cpu_count']} CPUs shared "
              f"with other jobs, 1 thread, nice; {data.get('seconds', 0):.0f} s of cells). Target "
              f"builtin:{c['target']}, k = {K} drafts for every family; warm start {c['warm_steps']} steps of the "
@@ -368,9 +411,12 @@ def markdown(data: dict) -> str:
              f"{c['batch_size']} fresh sequences per step from a pool of {c['pool']}; acceptance on "
              f"{c['eval_seqs']} held-out prompts (T = 0: serving walk on the greedy responses; T = 1: greedy drafts, "
              f"rejection sampling, per position on sampled responses). Median [min, max] over seeds."
-             + (f" Cells missing: {', '.join(missing)}." if missing else ""), "",
-             "| family | objective | seeds | acceptance length, T = 0 | T = 1 | last-quarter gain (%) | plateaued |",
-             "|---|---|---|---|---|---|---|"]
+             + " \"Drafts to EOS only\": the accepted drafts at or before the response's EOS (vLLM also accepts "
+             "drafts past EOS that match the target's continuation; the output drops them)."
+             + (f" Not run (cut off): {'; '.join(missing)}." if missing else ""), "",
+             "| family | objective | seeds | acceptance length, T = 0 | T = 1 | drafts to EOS only, T = 0 | T = 1 | "
+             "last-quarter gain (%) | plateaued |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for f in fams:
         sf = s[f]
         for arm in ["init", *OBJECTIVES]:
@@ -383,16 +429,17 @@ def markdown(data: dict) -> str:
                 pl = f"{sum(v['plateaued'] for v in sf['plateau'][arm].values())}/{len(gains)}"
             label = "warm start (common init)" if arm == "init" else OBJECTIVE_NAMES[arm]
             lines.append(f"| {FAMILY_NAMES[f]} | {label} | {len(sf['seeds'])} | {_r(a0['acceptance_len'])} | "
-                         f"{_r(a1['acceptance_len'])} | {pq} | {pl} |")
+                         f"{_r(a1['acceptance_len'])} | {_r(a0['to_eos_len'])} | {_r(a1['to_eos_len'])} | {pq} | {pl} |")
     lines += ["", "Paired gain of each on-policy objective in acceptance length (%), per seed (same init, anchors "
               "and batches) median [min, max]:", "",
-              "| family | on-policy objective | over | T = 0 | T = 1 |", "|---|---|---|---|---|"]
+              "| family | on-policy objective | over | T = 0 | T = 1 | drafts to EOS only, T = 0 | T = 1 |",
+              "|---|---|---|---|---|---|---|"]
     for f in fams:
         for on in ON:
             for b in OFF:
-                g0, g1 = s[f]["gains_pct"]["0"][on][b], s[f]["gains_pct"]["1"][on][b]
+                g = [s[f][key][T][on][b]["paired"] for key in ("gains_pct", "gains_to_eos_pct") for T in TEMPS]
                 lines.append(f"| {FAMILY_NAMES[f]} | {OBJECTIVE_NAMES[on]} | {OBJECTIVE_NAMES[b]} | "
-                             f"{_r(g0['paired'], '{:+.1f}')} | {_r(g1['paired'], '{:+.1f}')} |")
+                             + " | ".join(_r(x, '{:+.1f}') for x in g) + " |")
     for T in TEMPS:
         lines += ["", f"Prefix survival at T = {T} (fraction of rounds whose first j drafts were accepted"
                   + ("" if T == "0" else ", expected per position") + "; median over seeds):", "",

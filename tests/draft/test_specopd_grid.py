@@ -50,8 +50,8 @@ def _cell(lengths: dict, curve: dict) -> dict:
     ev = {}
     for arm, L in lengths.items():
         surv = [max(0.0, (L - 1) / grid.K)] * grid.K  # survival adding up to L - 1
-        ev[arm] = {"0": {"acceptance_len": L, "survival": surv},
-                   "1": {"acceptance_len": L - 0.5, "survival": [s / 2 for s in surv]}}
+        ev[arm] = {"0": {"acceptance_len": L, "survival": surv, "to_eos_len": L - 0.1},
+                   "1": {"acceptance_len": L - 0.5, "survival": [s / 2 for s in surv], "to_eos_len": L - 0.6}}
     return {"eval": ev, "curve": curve}
 
 
@@ -74,6 +74,8 @@ def test_summary_gains_and_plateau_recomputed_by_hand():
     assert g["of_medians"] == pytest.approx(100 * (3.1 / 3.0 - 1))
     g1 = s["gains_pct"]["1"]["onpolicy_e2e_tv"]["offpolicy_e2e_tv"]["paired_per_seed"]
     assert g1["1"] == pytest.approx(100 * (2.5 / 2.4 - 1))
+    ge = s["gains_to_eos_pct"]["1"]["onpolicy_e2e_tv"]["offpolicy_ce"]["paired_per_seed"]
+    assert ge["2"] == pytest.approx(100 * ((2.6 - 0.6) / (2.9 - 0.6) - 1))
     assert all(v["plateaued"] for v in s["plateau"]["offpolicy_ce"].values())
     assert not any(v["plateaued"] for v in s["plateau"]["onpolicy_e2e_tv"].values())
     assert s["acceptance"]["1"]["init"]["survival"][0]["median"] == pytest.approx((2.0 - 1) / grid.K / 2)
@@ -81,8 +83,8 @@ def test_summary_gains_and_plateau_recomputed_by_hand():
                                    "warm_steps": 1, "steps": 4, "batch_size": 2, "pool": 9, "eval_seqs": 3,
                                    "seeds": [0, 1, 2, 3], "families": ["dflash", "eagle3"], "plateau_pct": 1.0},
                         "summary": {"dflash": s}, "seconds": 1.0})
-    assert "Cells missing: dflash, eagle3." in md  # dflash has 3 of 4 seeds, eagle3 none
-    assert "| DFlash | off-policy CE | 3 | 3.000 [2.900, 3.200] |" in md
+    assert "Not run (cut off): DFlash seed 3; EAGLE-3 seeds 0, 1, 2, 3." in md  # dflash has 3 of 4 seeds
+    assert "| DFlash | off-policy CE | 3 | 3.000 [2.900, 3.200] | 2.500 [2.400, 2.700] | 2.900 [2.800, 3.100] |" in md
 
 
 # ------------------------------------------------------------------------------ acceptance estimate
