@@ -151,13 +151,15 @@ def test_t1_survival_from_plain_forwards_on_own_drafts(drafters, hf_target, targ
     d, batch = ds[family]
     eos = target.eos_token_id
     sub = select_sequences(batch, torch.arange(8))
-    got = grid.branch_acceptance(d, model, sub, eos, k=grid.K, walk=False)
+    got = grid.branch_acceptance(d, model, sub, eos, k=grid.K, walk=True)
     layout = d.build_layout(sub, all_anchors=True) if family == "dflash" else d.build_layout(sub)
     with torch.no_grad():
         br = sample_branches(d, sub, layout, temperature=0.0)
     ids = sub.input_ids.tolist()
     serving = grid._serving_bonus(sub, eos)
     s1, s0, n = [0.0] * grid.K, [0.0] * grid.K, 0
+    eos1 = 0.0  # sum over positions of the T = 1 expected drafts accepted at or before the EOS
+    lens, rem_at = {}, {}
     for b_row, b in enumerate(br.bonus_pos.tolist()):
         if not serving[b]:
             continue
@@ -168,18 +170,43 @@ def test_t1_survival_from_plain_forwards_on_own_drafts(drafters, hf_target, targ
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([ctx + y[:-1]])).logits[0].float()
         p = F.softmax(logits[len(ctx) - 1:], -1)  # row j: the distribution of draft j + 1
+        resp = ids[start + int(sub.response_start[seq]):int(sub.cu_seqlens[seq + 1])]
+        rem = resp.index(eos) - (b - start - int(sub.response_start[seq]))  # tokens after b up to the EOS
         prod1 = prod0 = 1.0
         for j in range(grid.K):
             prod1 *= float(p[j, y[j]])
             prod0 *= float(int(p[j].argmax()) == y[j])
             s1[j] += prod1
             s0[j] += prod0
+            eos1 += prod1 if j + 1 <= rem else 0.0
+        rem_at[b] = rem
+        acc = 0
+        for j in range(grid.K):
+            if int(p[j].argmax()) != y[j]:
+                break
+            acc += 1
+        lens[b] = 1 + acc
         n += 1
     assert n == got["positions"] and n > 10
     assert got["1"]["survival"] == pytest.approx([x / n for x in s1], abs=2e-5)
     assert got["0"]["survival"] == pytest.approx([x / n for x in s0], abs=1e-12)
     assert got["1"]["acceptance_len"] == pytest.approx(1 + sum(x / n for x in s1), abs=1e-4)
     assert got["0"]["survival"][0] > 0  # the check is not vacuous
+    assert got["1"]["to_eos_len"] == pytest.approx(1 + eos1 / n, abs=1e-4)
+    # the greedy walk by hand: rounds from the first response token, L = 1 + accepted, to the EOS
+    rounds = accepted = useful = 0
+    for seq in range(sub.num_seqs):
+        start, end = int(sub.cu_seqlens[seq]), int(sub.cu_seqlens[seq + 1])
+        b = start + int(sub.response_start[seq])
+        while b < end and ids[b] != eos and b in lens:
+            L = lens[b]
+            rounds, accepted, useful = rounds + 1, accepted + L - 1, useful + min(L - 1, rem_at[b])
+            if eos in ids[b + 1:b + 1 + L]:
+                break
+            b += L
+    assert got["walk"]["rounds"] == rounds and got["walk"]["accepted"] == accepted
+    assert got["walk"]["to_eos_len"] == pytest.approx(1 + useful / rounds)
+    assert useful < accepted  # some accepted drafts lie past the EOS (the tiny task's short answers)
 
 
 # ------------------------------------------------------------------------------ --grid --quick run
