@@ -4,7 +4,6 @@ serving walk of cotrain.draft.acceptance (T = 0) and plain target forwards on co
 (T = 1)."""
 
 import importlib.util
-import math
 import statistics
 import sys
 from pathlib import Path
