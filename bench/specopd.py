@@ -50,6 +50,8 @@ count and the baseline's per-round phase times.
     python bench/specopd.py            # full CPU run (about 15-20 minutes on the shared 2-core machine)
     python bench/specopd.py --quick    # the test's size (tests/draft/test_specopd_bench.py)
     python bench/specopd.py --report bench/results/specopd.json   # markdown tables + PNG from a JSON
+    python bench/specopd.py --grid --target tiny   # family x objective grid, offline (bench/specopd_grid.py)
+    python bench/specopd.py --report bench/results/specopd-tiny.json   # its tables + docs/img/specopd-tiny.png
 
 Outputs: ``--out`` (default bench/results/specopd.json; -quick for --quick) and the figure
 (``--png``, default docs/img/specopd.png for full runs, beside the JSON for --quick).
@@ -724,10 +726,27 @@ def parse_args(argv=None):
     return a
 
 
+def _grid():
+    """bench/specopd_grid.py (the family x target x objective grid), imported beside this file."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_specopd_grid", Path(__file__).with_name("specopd_grid.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_specopd_grid", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--grid" in argv:
+        return _grid().main(argv)
     a = parse_args(argv)
     if a.report is not None:
         data = json.loads(a.report.read_text())
+        if "cells" in data:  # a --grid JSON
+            png = a.png if "--png" in argv else ROOT / "docs" / "img" / a.report.with_suffix(".png").name
+            return _grid().report(a.report, png)
         data["summary"] = summarize(data)
         print(markdown(data))
         plot(data, a.png)

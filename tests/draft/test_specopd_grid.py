@@ -1,0 +1,254 @@
+"""bench/specopd_grid.py (``bench/specopd.py --grid``): the plateau test and the paired gains on
+synthetic data, and its acceptance estimate against independent references - the teacher-forced
+serving walk of cotrain.draft.acceptance (T = 0) and plain target forwards on context + own drafts
+(T = 1)."""
+
+import importlib.util
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("bench_specopd_grid", REPO / "bench" / "specopd_grid.py")
+grid = importlib.util.module_from_spec(_spec)
+sys.modules["bench_specopd_grid"] = grid
+_spec.loader.exec_module(grid)
+
+
+# ------------------------------------------------------------------------------ synthetic summaries
+def test_plateau_is_the_last_quarter_over_the_quarter_before():
+    # 8 rounds, 2 a quarter: rounds 7-8 against rounds 5-6
+    curve = [2.0, 2.5, 2.8, 3.0, 3.1, 3.2, 3.2, 3.21, 3.22]
+    p = grid.plateau(curve, 1.0)
+    assert p["rounds_per_quarter"] == 2
+    assert p["last_quarter_gain_pct"] == pytest.approx(100 * ((3.21 + 3.22) / (3.2 + 3.2) - 1))
+    assert p["plateaued"]  # +0.47 %
+    assert not grid.plateau(curve, 0.4)["plateaued"]
+    rising = [2.0, 2.2, 2.4, 2.6, 2.8, 3.0, 3.2, 3.4, 3.6]
+    p = grid.plateau(rising, 1.0)
+    assert p["last_quarter_gain_pct"] == pytest.approx(100 * ((3.4 + 3.6) / (3.0 + 3.2) - 1)) and not p["plateaued"]
+    # 12 rounds, 3 a quarter; a wobbling flat curve is flat
+    wobble = [2.0, 2.6, 2.9, 3.0, 3.05, 3.1, 3.1, 3.16, 3.04, 3.12, 3.08, 3.14, 3.09]
+    p = grid.plateau(wobble, 1.0)
+    assert p["rounds_per_quarter"] == 3
+    assert p["last_quarter_gain_pct"] == pytest.approx(100 * ((3.08 + 3.14 + 3.09) / (3.16 + 3.04 + 3.12) - 1))
+    assert p["plateaued"]
+    two = grid.plateau([2.0, 2.5, 2.6], 1.0)  # 2 rounds: the last round against the first
+    assert two["last_quarter_gain_pct"] == pytest.approx(4.0) and not two["plateaued"]
+    assert grid.plateau([2.0, 1.9, 1.8, 1.7, 1.6], 1.0)["plateaued"]  # falling counts as flat (no gain left)
+    with pytest.raises(ValueError, match="at least three points"):
+        grid.plateau([2.0, 2.1], 1.0)
+
+
+def _cell(lengths: dict, curve: dict) -> dict:
+    """A synthetic cell: acceptance length per arm (both temperatures the same + a T offset)."""
+    ev = {}
+    for arm, L in lengths.items():
+        surv = [max(0.0, (L - 1) / grid.K)] * grid.K  # survival adding up to L - 1
+        ev[arm] = {"0": {"acceptance_len": L, "survival": surv, "to_eos_len": L - 0.1},
+                   "1": {"acceptance_len": L - 0.5, "survival": [s / 2 for s in surv], "to_eos_len": L - 0.6}}
+    return {"eval": ev, "curve": curve}
+
+
+def test_summary_gains_and_plateau_recomputed_by_hand():
+    arms = ["init", *grid.OBJECTIVES]
+    per_seed = {"0": [2.0, 3.0, 2.8, 2.7, 3.3], "1": [2.1, 3.2, 2.9, 3.0, 3.1], "2": [1.9, 2.9, 3.0, 2.6, 3.0]}
+    flat = [2.0, 2.5, 3.0, 3.0, 3.0]
+    rising = [2.0, 2.2, 2.4, 2.6, 2.8]
+    data = {"config": {"plateau_pct": 1.0}, "cells": {"dflash": {
+        s: _cell(dict(zip(arms, v)), {a: (flat if a.startswith("off") else rising) for a in grid.OBJECTIVES})
+        for s, v in per_seed.items()}}}
+    s = grid.summarize(data)["dflash"]
+    assert s["seeds"] == ["0", "1", "2"]
+    ce = s["acceptance"]["0"]["offpolicy_ce"]["acceptance_len"]
+    assert (ce["median"], ce["min"], ce["max"]) == (3.0, 2.9, 3.2)
+    g = s["gains_pct"]["0"]["onpolicy_accept_tv"]["offpolicy_ce"]
+    paired = [100 * (3.3 / 3.0 - 1), 100 * (3.1 / 3.2 - 1), 100 * (3.0 / 2.9 - 1)]
+    assert (g["paired"]["median"], g["paired"]["min"], g["paired"]["max"]) == pytest.approx(
+        (statistics.median(paired), min(paired), max(paired)))
+    assert g["of_medians"] == pytest.approx(100 * (3.1 / 3.0 - 1))
+    g1 = s["gains_pct"]["1"]["onpolicy_e2e_tv"]["offpolicy_e2e_tv"]["paired_per_seed"]
+    assert g1["1"] == pytest.approx(100 * (2.5 / 2.4 - 1))
+    ge = s["gains_to_eos_pct"]["1"]["onpolicy_e2e_tv"]["offpolicy_ce"]["paired_per_seed"]
+    assert ge["2"] == pytest.approx(100 * ((2.6 - 0.6) / (2.9 - 0.6) - 1))
+    assert all(v["plateaued"] for v in s["plateau"]["offpolicy_ce"].values())
+    assert not any(v["plateaued"] for v in s["plateau"]["onpolicy_e2e_tv"].values())
+    assert s["acceptance"]["1"]["init"]["survival"][0]["median"] == pytest.approx((2.0 - 1) / grid.K / 2)
+    md = grid.markdown({"config": {"command": "x", "date": "d", "torch": "t", "cpu_count": 2, "target": "tiny",
+                                   "warm_steps": 1, "steps": 4, "batch_size": 2, "pool": 9, "eval_seqs": 3,
+                                   "seeds": [0, 1, 2, 3], "families": ["dflash", "eagle3"], "plateau_pct": 1.0},
+                        "summary": {"dflash": s}, "seconds": 1.0})
+    assert "Not run (cut off): DFlash seed 3; EAGLE-3 seeds 0, 1, 2, 3." in md  # dflash has 3 of 4 seeds
+    assert "| DFlash | off-policy CE | 3 | 3.000 [2.900, 3.200] | 2.500 [2.400, 2.700] | 2.900 [2.800, 3.100] |" in md
+
+
+# ------------------------------------------------------------------------------ acceptance estimate
+@pytest.fixture(scope="module")
+def drafters(hf_target, target):
+    """DFlash, EAGLE-3 and DSpark at k = 7 after 25 soft-CE steps on 48 greedy tiny responses, and the
+    held-out greedy records (8 tokens of continuation after EOS)."""
+    from cotrain.draft.common import select_sequences
+    from cotrain.draft.distill import generate_records, load_prompts, records_to_batch, train_step
+    from cotrain.draft.optim import make_optimizer
+    from cotrain.draft.registry import build_drafter
+
+    model, tok = hf_target
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cfgs = {f: grid.family_config("tiny", f, 16, constant=False) for f in grid.FAMILIES}
+    prompts = load_prompts(cfgs["dflash"].data, 60, 7)
+    records = generate_records(model, tok, prompts, 16, 8)
+    out = {}
+    for f, cfg in cfgs.items():
+        d = build_drafter(f, cfg.draft.settings, target, seed=1)
+        train = records_to_batch(records[:48], model, d.tap_layers)
+        opt = make_optimizer(d, cfg.draft.optimizer)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(25):
+            train_step(d, select_sequences(train, torch.randint(0, 48, (16,), generator=g)), "soft_ce", opt, 1.0, g)
+        d.eval()
+        out[f] = (d, records_to_batch(records[48:], model, d.tap_layers))
+    torch.set_num_threads(old)
+    return out, records[48:]
+
+
+@pytest.mark.parametrize("family", grid.FAMILIES)
+def test_t0_walk_equals_the_teacher_forced_serving_walk(drafters, hf_target, target, family, one_thread):
+    """On the target's greedy responses, drafting from the drafter's own drafts and accepting while
+    they are the target's argmax walks exactly like the teacher-forced estimator (whenever draft j
+    matters, the drafts before it equal the reference tokens)."""
+    from cotrain.draft.acceptance import estimate_acceptance
+
+    (ds, _), (model, _) = drafters, hf_target
+    d, batch = ds[family]
+    eos = target.eos_token_id
+    got = grid.branch_acceptance(d, model, batch, eos, k=grid.K, walk=True, seqs_per_chunk=5)
+    ref = estimate_acceptance(d, batch, k=grid.K, eos_token_id=eos)
+    assert got["walk"]["rounds"] == ref.rounds and got["walk"]["accepted"] == ref.accepted
+    assert got["walk"]["histogram"] == ref.histogram
+    assert got["walk"]["acceptance_len"] == pytest.approx(ref.walk_len, abs=1e-12)
+    assert 0 < ref.accepted < ref.rounds * grid.K  # some drafts accepted, not all
+    h = ref.histogram
+    assert got["walk"]["survival"] == pytest.approx([sum(h[j:]) / ref.rounds for j in range(1, grid.K + 1)])
+    assert got["walk"]["acceptance_len"] == pytest.approx(1 + sum(got["walk"]["survival"]))
+
+
+@pytest.mark.parametrize("family", ["dflash", "eagle3"])
+def test_t1_survival_from_plain_forwards_on_own_drafts(drafters, hf_target, target, family, one_thread):
+    """T = 1 survival by hand at every serving position of eight held-out sequences: the drafter's
+    greedy drafts (EAGLE-3: pass by pass on its own previous draft; DFlash: one block), then plain
+    HF forwards of context + y_<j give p_j(y_j); s_j = mean prod_{i<=j} p_i(y_i); T = 0 the same
+    with 1[y_i = argmax p_i]."""
+    from cotrain.draft.common import select_sequences
+    from cotrain.draft.specopd import sample_branches
+
+    (ds, records), (model, _) = drafters, hf_target
+    d, batch = ds[family]
+    eos = target.eos_token_id
+    sub = select_sequences(batch, torch.arange(8))
+    got = grid.branch_acceptance(d, model, sub, eos, k=grid.K, walk=True)
+    layout = d.build_layout(sub, all_anchors=True) if family == "dflash" else d.build_layout(sub)
+    with torch.no_grad():
+        br = sample_branches(d, sub, layout, temperature=0.0)
+    ids = sub.input_ids.tolist()
+    serving = grid._serving_bonus(sub, eos)
+    s1, s0, n = [0.0] * grid.K, [0.0] * grid.K, 0
+    eos1 = 0.0  # sum over positions of the T = 1 expected drafts accepted at or before the EOS
+    lens, rem_at = {}, {}
+    for b_row, b in enumerate(br.bonus_pos.tolist()):
+        if not serving[b]:
+            continue
+        seq = int(sub.seq_of[b])
+        start = int(sub.cu_seqlens[seq])
+        ctx = ids[start:b + 1]
+        y = br.tokens[b_row].tolist()
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ctx + y[:-1]])).logits[0].float()
+        p = F.softmax(logits[len(ctx) - 1:], -1)  # row j: the distribution of draft j + 1
+        resp = ids[start + int(sub.response_start[seq]):int(sub.cu_seqlens[seq + 1])]
+        rem = resp.index(eos) - (b - start - int(sub.response_start[seq]))  # tokens after b up to the EOS
+        prod1 = prod0 = 1.0
+        for j in range(grid.K):
+            prod1 *= float(p[j, y[j]])
+            prod0 *= float(int(p[j].argmax()) == y[j])
+            s1[j] += prod1
+            s0[j] += prod0
+            eos1 += prod1 if j + 1 <= rem else 0.0
+        rem_at[b] = rem
+        acc = 0
+        for j in range(grid.K):
+            if int(p[j].argmax()) != y[j]:
+                break
+            acc += 1
+        lens[b] = 1 + acc
+        n += 1
+    assert n == got["positions"] and n > 10
+    assert got["1"]["survival"] == pytest.approx([x / n for x in s1], abs=2e-5)
+    assert got["0"]["survival"] == pytest.approx([x / n for x in s0], abs=1e-12)
+    assert got["1"]["acceptance_len"] == pytest.approx(1 + sum(x / n for x in s1), abs=1e-4)
+    assert got["0"]["survival"][0] > 0  # the check is not vacuous
+    assert got["1"]["to_eos_len"] == pytest.approx(1 + eos1 / n, abs=1e-4)
+    # the greedy walk by hand: rounds from the first response token, L = 1 + accepted, to the EOS
+    rounds = accepted = useful = 0
+    for seq in range(sub.num_seqs):
+        start, end = int(sub.cu_seqlens[seq]), int(sub.cu_seqlens[seq + 1])
+        b = start + int(sub.response_start[seq])
+        while b < end and ids[b] != eos and b in lens:
+            L = lens[b]
+            rounds, accepted, useful = rounds + 1, accepted + L - 1, useful + min(L - 1, rem_at[b])
+            if eos in ids[b + 1:b + 1 + L]:
+                break
+            b += L
+    assert got["walk"]["rounds"] == rounds and got["walk"]["accepted"] == accepted
+    assert got["walk"]["to_eos_len"] == pytest.approx(1 + useful / rounds)
+    assert useful < accepted  # some accepted drafts lie past the EOS (the tiny task's short answers)
+
+
+# ------------------------------------------------------------------------------ --grid --quick run
+@pytest.mark.slow  # three drafters x (2 + 4 x 4) steps in a subprocess: 10-40 s
+def test_quick_grid_same_budget_interleaved_and_recomputed(tmp_path):
+    import json
+    import subprocess
+
+    out = tmp_path / "grid.json"
+    cmd = [sys.executable, str(REPO / "bench" / "specopd.py"), "--grid", "--quick", "--seeds", "0", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    c = data["config"]
+    assert set(data["cells"]) == set(grid.FAMILIES)
+    for f, cells in data["cells"].items():
+        cell = cells["0"]
+        arms = list(grid.OBJECTIVES)
+        assert {cell[a]["steps"] for a in arms} == {c["steps"]}
+        assert len({cell[a]["batches_sha"] for a in arms}) == 1  # the same sequences at every step
+        assert {cell[a]["start_sha"] for a in arms} == {cell["init_sha"]} != {cell["random_init_sha"]}
+        assert len({cell[a]["final_sha"] for a in arms}) == len(arms)
+        # fresh sequences: steps x batch draws from the pool, every draw distinct until it is used up
+        assert cell["offpolicy_ce"]["distinct_sequences"] == min(c["pool"], c["steps"] * c["batch_size"])
+        assert [cell[a]["branches"] for a in arms] == ["teacher_forced", "teacher_forced", "on_policy", "on_policy"]
+        assert cell["onpolicy_accept_tv"]["loss"] == "accept_weighted_tv"
+        # interleaved: the order rotates every round; a curve point per round per arm
+        assert cell["order"] == [arms[r % 4:] + arms[:r % 4] for r in range(c["rounds"])]
+        assert all(len(cell["curve"][a]) == c["rounds"] + 1 for a in arms)
+        assert len({cell["curve"][a][0] for a in arms}) == 1  # the common start
+        ev = cell["eval"]
+        for arm in ["init", *arms]:
+            w = ev[arm]["0"]
+            assert w["acceptance_len"] == pytest.approx(1 + sum(w["survival"]))
+            assert ev[arm]["1"]["acceptance_len"] == pytest.approx(1 + sum(ev[arm]["1"]["survival"]))
+    assert json.loads(json.dumps(grid.summarize(data))) == data["summary"]  # stored = recomputed from the cells
+    # resume: the same command again trains nothing and keeps every cell
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert again.stdout.count("already") == len(grid.FAMILIES)
+    assert json.loads(out.read_text())["cells"] == data["cells"]
+    rep = subprocess.run([sys.executable, str(REPO / "bench" / "specopd.py"), "--report", str(out), "--png",
+                          str(tmp_path / "g.png")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr[-2000:]
+    assert "| DSpark | on-policy accept_weighted_tv | off-policy CE |" in rep.stdout
+    assert (tmp_path / "g.png").stat().st_size > 10_000
