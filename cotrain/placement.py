@@ -34,7 +34,7 @@ import math
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 Issue = tuple[str, str]
 
@@ -660,30 +660,40 @@ def wait_placed(actors: list, what: list[str], resources: list[dict], timeout_s:
 
 
 def wait_refs(refs: list, what: str, placement: ClusterPlacement | None, poll_s: float = 1.0,
-              settle: bool = False) -> list[Any]:
-    """``ray.get(refs)``, but with a placement: a dead node of the run raises :class:`NodeDiedError`
-    within about ``poll_s`` (instead of whenever Ray notices), and so does a failed call whose cause
-    is a dead node. ``settle``: wait for every call to finish, then return each one's result or the
-    exception it raised (for calls that must all end before a failure is reported: a weight push);
-    a dead node still raises. (The trainer's ranks have their own fail-fast wait,
-    :meth:`TrainerGroup._wait`: it names the rank whose actor died and does not wait for the
-    survivors, which may be blocked in a collective with it.)"""
+              settle: bool = False, on_error: Callable[[int, Exception], None] | None = None) -> list[Any]:
+    """``ray.get(refs)`` that fails fast: the first call to fail raises as soon as it ends, whatever
+    the others are doing (a survivor may be blocked in a collective with a dead rank: it is not
+    waited for). With a placement, a dead node of the run raises :class:`NodeDiedError` within about
+    ``poll_s`` (instead of whenever Ray notices), and so does a failed call whose cause is a dead
+    node. ``on_error(i, exc)``: called with the index of the failed call before its error is raised
+    (after the node check), to name what failed (it may raise an error of its own).
+    ``settle``: wait for every call to finish, then return each one's result or the exception it
+    raised (for calls that must all end before a failure is reported: a weight push); a dead node
+    still raises."""
     import ray
 
+    index = {ref: i for i, ref in enumerate(refs)}
     pending = list(refs)
-    while pending and placement is not None:
-        done, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_s)
-        if not settle:
-            for ref in done:
-                try:
-                    ray.get(ref)
-                except Exception:
+    timeout = poll_s if placement is not None else None
+    while pending and not settle:
+        done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as e:
+                if placement is not None:
                     placement.check_after_failure(what)
-                    raise
-        if pending:
+                if on_error is not None:
+                    on_error(index[ref], e)
+                raise
+        if not done and placement is not None:
             placement.check(what)
     if not settle:
         return ray.get(refs)
+    while pending and placement is not None:
+        done, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_s)
+        if pending:
+            placement.check(what)
     out = []
     for ref in refs:
         try:

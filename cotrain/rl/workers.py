@@ -106,36 +106,21 @@ class TrainerGroup(TrainingBackend):
                           "draft_holder": [i["rank"] for i in self.infos if i.get("draft_holder")]}
 
     def _wait(self, refs: list, what: str) -> list:
-        """Results of one call per rank, in rank order. A rank whose actor dies fails the call at
-        once, naming the rank (the survivors may be blocked in a collective with it: they are not
-        waited for); with a placement, so does a dead node (naming it and its ranks), whether a rank
-        reports it first or not."""
-        from cotrain.placement import NodeDiedError
+        """Results of one call per rank, in rank order (:func:`cotrain.placement.wait_refs`: fails
+        fast). A rank whose actor dies fails the call at once, naming the rank; with a placement, so
+        does a dead node (naming it and its ranks), whether a rank reports it first or not."""
+        from cotrain.placement import NodeDiedError, wait_refs
 
-        pending = {ref: r for r, ref in enumerate(refs)}
-        poll = 1.0 if self.placement is not None else None
+        def rank_failed(rank: int, e: Exception) -> None:
+            if isinstance(e, ray.exceptions.RayActorError):
+                self.dead.append(rank)
+                raise TrainerRankDiedError(f"training rank {rank} died during {what}: {_cause(e)}") from None
+
         try:
-            while pending:
-                done, _ = ray.wait(list(pending), num_returns=1, timeout=poll)
-                if not done and self.placement is not None:
-                    self.placement.check(what)
-                for ref in done:
-                    rank = pending.pop(ref)
-                    try:
-                        ray.get(ref)
-                    except ray.exceptions.RayActorError as e:
-                        if self.placement is not None:
-                            self.placement.check_after_failure(what)
-                        self.dead.append(rank)
-                        raise TrainerRankDiedError(f"training rank {rank} died during {what}: {_cause(e)}") from None
-                    except Exception:
-                        if self.placement is not None:  # a survivor's collective failed: was it a node?
-                            self.placement.check_after_failure(what)
-                        raise
+            return wait_refs(refs, what, self.placement, on_error=rank_failed)
         except NodeDiedError as e:
             self.dead.extend(r for r in e.ranks if r not in self.dead)
             raise
-        return ray.get(refs)
 
     def _all(self, method: str, *args) -> list:
         """``method`` on every rank (a batch put in the object store once); every rank's result."""
