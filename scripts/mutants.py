@@ -66,7 +66,8 @@ MUTANTS: list[Mutant] = [
       ["tests/rl/test_trainer.py", "-k", "first_principles"], "the trainer passes the clip bounds swapped",
       timeout=400),
     M("rl.logprobs_at_temperature_1", "cotrain/rl/trainer.py",
-      "logits = logits.float() / (s.temperature or 1.0)", "logits = logits.float()",
+      "logits, keep = sampling_logits(logits, self.cfg.rollout.sampling,",
+      "logits, keep = sampling_logits(logits, self.cfg.rollout.sampling.model_copy(update={'temperature': 1.0}),",
       ["tests/rl/test_trainer.py", "-k", "reference_model_stays"],
       "trainer log-probs at temperature 1 whatever the sampling temperature", timeout=400),
     M("rl.k3_sign", "cotrain/rl/grpo.py",
@@ -373,7 +374,8 @@ MUTANTS: list[Mutant] = [
       "the branch tokens attend as one causal chain: each sees every earlier branch (and the stem up to the "
       "first anchor) instead of only its own ancestors"),
     M("specopd.branch_logits_untempered", "cotrain/rl/draft_stage.py",
-      "logits = logits.float() / (s.temperature or 1.0)", "logits = logits.float()",
+      "logits, keep = sampling_logits(logits, s)",
+      "logits, keep = sampling_logits(logits, s.model_copy(update={'temperature': 1.0}))",
       ["tests/rl/test_cotrain_specopd.py::test_drafter_on_policy_step_equals_the_offline_specopd_computation"],
       "the policy's branch-token logits not tempered (p_2.. at T = 1 while p_1, from the stem, is at the "
       "sampling temperature)"),
