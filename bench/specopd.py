@@ -706,7 +706,8 @@ def parse_args(argv=None):
                     help="rounds per sequence of the long Draft-OPD arm (divides tput-seqs x anchors_per_seq)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--png", type=Path, default=None)
-    ap.add_argument("--report", type=Path, default=None, help="print the markdown tables from this JSON, redraw its PNG")
+    ap.add_argument("--report", type=Path, nargs="+", default=None,
+                    help="print the markdown tables from this JSON (or several --grid JSONs, merged), redraw its PNG")
     a = ap.parse_args(argv)
     preset = "quick" if a.quick else "default"
     for key, v in PRESETS[preset].items():
@@ -743,10 +744,14 @@ def main(argv=None) -> int:
         return _grid().main(argv)
     a = parse_args(argv)
     if a.report is not None:
-        data = json.loads(a.report.read_text())
-        if "cells" in data:  # a --grid JSON
-            png = a.png if "--png" in argv else ROOT / "docs" / "img" / a.report.with_suffix(".png").name
+        data = json.loads(a.report[0].read_text())
+        if "cells" in data:  # --grid JSONs (several: one grid run side by side over disjoint --families)
+            png = a.png if "--png" in argv else ROOT / "docs" / "img" / a.report[0].with_suffix(".png").name
             return _grid().report(a.report, png)
+        if len(a.report) > 1:
+            print("bench/specopd.py --report: one JSON of this benchmark at a time (several only of --grid runs)",
+                  file=sys.stderr)
+            return 2
         data["summary"] = summarize(data)
         print(markdown(data))
         plot(data, a.png)

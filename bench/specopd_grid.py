@@ -630,8 +630,34 @@ def run_grid(a) -> int:
     return 0
 
 
-def report(path: Path, png: Optional[Path]) -> int:
-    data = json.loads(path.read_text())
+def merge(datas: list[dict]) -> dict:
+    """One grid from runs of the same settings (:data:`SETTINGS`) over disjoint families (run side
+    by side, each with ``--families``): their cells together, each family's config and optimizer
+    kept, the commands joined, the seconds of cells summed. Runs that differ are refused."""
+    def same(c: dict) -> dict:  # what makes two runs one grid: the settings and the data they drew
+        return {**{k: c.get(k) for k in (*SETTINGS, "k", "plateau_pct", "response_tokens_median")},
+                **{f"data.{k}": c["data"].get(k) for k in ("task", "max_new_tokens", "temperature", "tail_tokens", "seed")}}
+
+    first = datas[0]["config"]
+    for d in datas[1:]:
+        diff = [k for k, v in same(d["config"]).items() if same(first)[k] != v]
+        if diff:
+            raise ValueError(f"runs of different settings cannot be merged: {', '.join(diff)}")
+    fams = [f for d in datas for f in d["config"]["families"]]
+    if len(set(fams)) != len(fams):
+        raise ValueError(f"runs share a family ({', '.join(fams)}): merge runs of disjoint --families")
+    config = {**first, "families": [f for f in FAMILIES if f in fams],
+              "command": " and ".join(d["config"]["command"] for d in datas),
+              **{key: {f: v for d in datas for f, v in d["config"][key].items()} for key in ("configs", "optimizer")}}
+    return {"cells": {f: c for d in datas for f, c in d["cells"].items()}, "config": config,
+            "seconds": sum(d.get("seconds", 0.0) for d in datas)}
+
+
+def report(paths, png: Optional[Path]) -> int:
+    """The tables (and the figure) of one grid JSON, or of several merged (:func:`merge`)."""
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    datas = [json.loads(Path(p).read_text()) for p in paths]
+    data = datas[0] if len(datas) == 1 else merge(datas)
     data["summary"] = summarize(data)
     print(markdown(data))
     if png is not None:

@@ -252,3 +252,15 @@ def test_quick_grid_same_budget_interleaved_and_recomputed(tmp_path):
     assert rep.returncode == 0, rep.stderr[-2000:]
     assert "| DSpark | on-policy accept_weighted_tv | off-policy CE |" in rep.stdout
     assert (tmp_path / "g.png").stat().st_size > 10_000
+    # the same grid run side by side over disjoint --families merges back into this one
+    parts = [{"cells": {f: data["cells"][f]}, "seconds": 1.0,
+              "config": {**c, "families": [f], "command": f"run {f}", "configs": {f: c["configs"][f]},
+                         "optimizer": {f: c["optimizer"][f]}}} for f in reversed(grid.FAMILIES)]
+    merged = grid.merge(parts)
+    assert merged["cells"] == data["cells"] and merged["config"]["families"] == list(grid.FAMILIES)
+    assert merged["config"]["configs"] == c["configs"] and merged["seconds"] == len(parts)
+    assert grid.summarize(merged) == grid.summarize(data)
+    with pytest.raises(ValueError, match="disjoint"):
+        grid.merge([parts[0], parts[0]])
+    with pytest.raises(ValueError, match="steps"):
+        grid.merge([parts[0], {**parts[1], "config": {**parts[1]["config"], "steps": c["steps"] + 1}}])
