@@ -386,14 +386,16 @@ def test_on_policy_refuses_what_is_not_built(extra, key, fragment):
     assert any(fragment in m for m in msgs), info.value.issues
 
 
-def test_on_policy_is_accepted_where_it_is_built():
+def test_on_policy_is_accepted_where_it_is_built(tmp_path):
     for name in ("on_policy", "on_policy_dp2", "on_policy_tp2", "on_policy_cp2", "on_policy_pp2"):
         assert config(name).draft.branches == "on_policy"
     cfg = load_config("configs/grpo.yaml", BASE + DRAFT + ["draft.branches=on_policy", "policy.parallel.pipeline=2",
                                                           "policy.parallel.context=2", "policy.parallel.tensor=2",
                                                           "cluster.cpus_per_node=9"])
     assert cfg.policy.parallel.pipeline == 2 and cfg.draft.branches == "on_policy"
-    cfg = load_config("configs/demo.yaml", ["draft.branches=on_policy", "draft.loss=e2e_tv"])
+    # a run folder of its own: validation refuses one that holds another run (a checkout's runs/demo)
+    cfg = load_config("configs/demo.yaml", ["draft.branches=on_policy", "draft.loss=e2e_tv",
+                                            f"run.output_dir={tmp_path / 'demo'}"])
     assert cfg.draft.kind == "dflash" and cfg.draft.branches == "on_policy"
     for name in ("on_policy_eagle3", "on_policy_eagle3_pp2_cp2", "on_policy_eagle3_vocab"):
         cfg = config(name)
