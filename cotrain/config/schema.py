@@ -722,6 +722,14 @@ class DraftBudgetConfig(StrictModel):
     memory_steps: PosInt = 16
     """adaptive: the window of measured acceptance the decision reads (its reference is the mean
     of this window before the recent steps: a policy that moved on for good leaves it)."""
+    measure_idle: bool = False
+    """adaptive: on an idle step (no drafter step) the drafter - and with draft.compare_frozen its
+    frozen copy - is still scored on the step's chains, as a training step scores them (one forward
+    each on the log-prob recomputation's taps; no backward, no optimizer step, nothing replayed),
+    so draft/acceptance_offline(_frozen) has a point every step; its seconds are draft/measure_s,
+    outside time/draft. When the engines do not serve the co-trained drafter this measured
+    acceptance is also the budget's signal on the next step. false: an idle step has no draft/*
+    metrics."""
     replay_steps: PosInt = 4
     """adaptive with max_steps > 1: the replay window holds the drafter inputs (taps, the policy's
     detached logits, the rows) of the last this many GRPO steps on which it trained; older ones

@@ -521,7 +521,8 @@ def _check_budget(d) -> list[Issue]:
     """draft.budget: the adaptive keys act only in adaptive mode, the replay only with max_steps > 1
     and teacher-forced chains (an on-policy branch needs its own step's tree forward)."""
     b, defaults = d.budget, type(d.budget)()
-    adaptive_keys = ("max_steps", "max_update_share", "tolerance", "recent_steps", "probe_every", "memory_steps")
+    adaptive_keys = ("max_steps", "max_update_share", "tolerance", "recent_steps", "probe_every", "memory_steps",
+                    "measure_idle")
     replay_keys = ("replay_steps", "replay_max_mib")
     issues: list[Issue] = []
     if b.mode == "fixed":

@@ -261,6 +261,7 @@ class OnlineDraftTrainer:
         self.optimizer = make_optimizer(drafter, draft_cfg.optimizer)
         self.steps_done = 0  # optimizer steps taken (the schedule's position)
         self._step: Optional[int] = None
+        self._measuring = False  # a measure-only step (begin_step(measure_only=True))
         self._stats: dict[str, float] = {}
         self._seconds = 0.0
         # reduced draft vocabulary: token counts since the mapping was last built, steps since then
@@ -300,8 +301,11 @@ class OnlineDraftTrainer:
                 d.target_lm_head.copy_(lm_head.to(d.target_lm_head.dtype))
 
     def begin_step(self, step: int, embed: Optional[torch.Tensor] = None,
-                   lm_head: Optional[torch.Tensor] = None) -> None:
+                   lm_head: Optional[torch.Tensor] = None, measure_only: bool = False) -> None:
+        """``measure_only`` (``draft.budget.measure_idle`` on an idle step): the step's microbatches
+        only score the drafter (and its frozen copy) on their chains; end_step takes no optimizer step."""
         self._step = int(step)
+        self._measuring = bool(measure_only)
         if self._replay is None:
             self._microbatches_seen = 0
         self.set_shared(embed, lm_head)
@@ -310,7 +314,7 @@ class OnlineDraftTrainer:
         self._stats = dict.fromkeys(("loss_sum", "weight", "overlap_sum", "top1_sum", "positions", "accept_sum",
                                      "chains", "microbatches", "branch_tokens", "accept_sum_frozen",
                                      "chains_frozen", "kl_sum", "kl_weight", "chain_positions", *_TURN_KEYS), 0.0)
-        self._timers = {"tree_s": 0.0, "eval_s": 0.0, "frozen_s": 0.0}  # this rank's seconds (not reduced)
+        self._timers = {"tree_s": 0.0, "eval_s": 0.0, "frozen_s": 0.0, "measure_s": 0.0}  # this rank's seconds
         if self.vocab_counts is not None:
             self._step_counts = torch.zeros_like(self.vocab_counts)
         self._seconds = 0.0
@@ -339,6 +343,8 @@ class OnlineDraftTrainer:
         (see :meth:`_on_policy`)."""
         if self._step is None:
             raise RuntimeError("call begin_step before microbatch")
+        if self._measuring:
+            return self._measure(rows, taps, logits)
         t0, f0 = time.perf_counter(), self._timers["frozen_s"]
         if self._replay is None:
             self._microbatches_seen += 1
@@ -384,6 +390,39 @@ class OnlineDraftTrainer:
         self._stats["microbatches"] += 1
         self._seconds += time.perf_counter() - t0 - (self._timers["frozen_s"] - f0)  # co-training's time only
         return m
+
+    @torch.no_grad()
+    def _measure(self, rows: RolloutRows, taps: torch.Tensor, logits: torch.Tensor) -> dict:
+        """A measure-only microbatch: the drafter's teacher-forced chains at the anchors a training
+        step would draw, scored as a training step scores them (and the frozen copy's on the same
+        chains); no loss, no backward, nothing kept for replay or counted for the draft vocabulary."""
+        t0, f0 = time.perf_counter(), self._timers["frozen_s"]
+        batch, local_logits = to_draft_batch(rows, taps, logits, self.cp_size)
+        layout = self._layout_for(batch, rows.seq_ids, self._step)
+        out, best, lens, first = self._teacher_forced_acceptance(batch, layout, local_logits)
+        if self.frozen is not None:
+            self._frozen_acceptance(batch, layout, best)
+        self._stats["accept_sum"] += lens.sum()
+        self._stats["chains"] += first.sum()
+        self._stats["microbatches"] += 1
+        self._timers["measure_s"] += time.perf_counter() - t0 - (self._timers["frozen_s"] - f0)
+        return {}
+
+    def _teacher_forced_acceptance(self, batch: DraftBatch, layout, local_logits: torch.Tensor):
+        """(out, best, lengths, first): the drafter's teacher-forced chains of ``layout`` (no grad),
+        the policy's greedy token at each chain position (fetched from its owner under CP) and the
+        chains' greedy acceptance (:meth:`_chain_acceptance`), added to the per-turn sums."""
+        group = self.cp_group if self.cp_size > 1 else None
+        with torch.no_grad():
+            out = self.drafter(batch, layout, group=group)
+            if self.cp_size > 1:  # the rows the chains need, from their owners
+                ids = local_logits.argmax(-1).double()[:, None]  # token ids, exact in float64
+                best = fetch_rows(ids, out.target_rows, layout, group).view(out.target_rows.shape).long()
+            else:
+                best = local_logits.argmax(-1)[out.target_rows.clamp(min=0)]
+            lens, first = self._chain_acceptance(out, getattr(self.drafter, "vocab", None), best)
+            self._accumulate_turns(batch, out, lens, first)
+        return out, best, lens, first
 
     @property
     def _anchor_step(self) -> int:
@@ -531,16 +570,9 @@ class OnlineDraftTrainer:
             weight = m["weight"]
             (loss * weight).backward()
         t1 = time.perf_counter()
-        with torch.no_grad():
-            n = br.valid.sum()
-            out = self.drafter(batch, layout, group=group)  # teacher-forced chains: the comparable acceptance
-            if C > 1:  # the rows the chains need, from their owners
-                ids = local_logits.argmax(-1).double()[:, None]  # token ids, exact in float64
-                best = fetch_rows(ids, out.target_rows, layout, group).view(out.target_rows.shape).long()
-            else:
-                best = local_logits.argmax(-1)[out.target_rows.clamp(min=0)]
-            lens, first = self._chain_acceptance(out, vocab, best)
-            self._accumulate_turns(batch, out, lens, first)
+        n = br.valid.sum()
+        # teacher-forced chains at the same anchors: the acceptance comparable across draft.branches
+        out, best, lens, first = self._teacher_forced_acceptance(batch, layout, local_logits)
         self._timers["eval_s"] += time.perf_counter() - t1
         if self.frozen is not None:
             self._frozen_acceptance(batch, layout, best)
@@ -556,8 +588,13 @@ class OnlineDraftTrainer:
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         keys = sorted(self._stats)
         stats = torch.tensor([float(self._stats[k]) for k in keys], dtype=torch.float64)  # the step's one read-back
-        grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
-        counts = self._step_counts if self.vocab_counts is not None else torch.zeros(0, dtype=torch.float64)
+        device = params[0].device if params else torch.device("cpu")
+        if self._measuring:  # no gradients, no token counts: only the statistics cross
+            grads, counts = torch.zeros(0, device=device), torch.zeros(0, dtype=torch.float64)
+        else:
+            grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                               for p in params])
+            counts = self._step_counts if self.vocab_counts is not None else torch.zeros(0, dtype=torch.float64)
         if self.reduce_group is not None and dist.get_world_size(self.reduce_group) > 1:
             # one all-reduce on the drafter's device (the backend's: NCCL carries CUDA tensors only)
             flat = torch.cat([grads.double(), stats.to(grads.device), counts.to(grads.device)])
@@ -580,6 +617,11 @@ class OnlineDraftTrainer:
             metrics["acceptance_offline_frozen"] = (s["accept_sum_frozen"] / s["chains_frozen"] if s["chains_frozen"]
                                                     else float("nan"))
             metrics["frozen_s"] = self._timers["frozen_s"]  # not in time_s: a measurement, not co-training
+        if self._measuring:  # the acceptance only; no optimizer step, the schedule does not move
+            self._step = None
+            keep = ("acceptance_offline", "chains", "acceptance_offline_frozen", "frozen_s")
+            return {**{k: v for k, v in metrics.items() if k in keep or k.startswith("acceptance_offline_turn")},
+                    "measure_s": self._timers["measure_s"] + time.perf_counter() - t0, "time_s": 0.0}
         if self.branches == "on_policy":  # branch tokens the policy scored (the group's); seconds: this rank's
             metrics.update(branch_tokens=s["branch_tokens"], tree_s=self._timers["tree_s"], eval_s=self._timers["eval_s"])
         replaying = self._replay is not None

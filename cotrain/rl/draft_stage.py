@@ -140,6 +140,7 @@ class DraftStage:
                 reduce_group=ps.get_data_parallel_group(with_context_parallel=True), k=k,
                 eos_token_id=target.eos_token_id, compare_frozen=d.compare_frozen)
         self._active = False
+        self._measuring = False  # this step only scores the drafter (begin(updates=0))
 
     # ------------------------------------------------------------------ shared tensors
     def _tp_gather_rows(self, w: torch.Tensor) -> torch.Tensor:
@@ -178,12 +179,14 @@ class DraftStage:
     # ------------------------------------------------------------------ one step
     def begin(self, step: int, num_microbatches: int, updates: int = 1) -> None:
         """``updates``: the drafter's optimizer steps this GRPO step (draft.budget): its own, then
-        ``updates - 1`` on the replay window, in :meth:`end`."""
+        ``updates - 1`` on the replay window, in :meth:`end`; 0 = a measure-only step
+        (draft.budget.measure_idle: the drafter is scored on the step's chains, no step, no stem)."""
         self._updates = int(updates)
+        self._measuring = self._updates == 0
         self._clear_tree()
         embed, lm_head = self.shared_tensors()
         if self.trainer is not None:
-            self.trainer.begin_step(step, embed=embed, lm_head=lm_head)
+            self.trainer.begin_step(step, embed=embed, lm_head=lm_head, measure_only=self._measuring)
         self.channel.begin_step(num_microbatches)
         self.hooks.enabled = True
         self._active = True
@@ -193,7 +196,7 @@ class DraftStage:
         filler); ``widths``: a packed row's per-sequence positions (RolloutRows.widths)."""
         if self._active:
             self.hooks.set_microbatch(microbatch, num_tokens)
-            if self.stem is not None:  # every stage: this microbatch's stem keys/values
+            if self.stem is not None and not self._measuring:  # every stage: this microbatch's stem keys/values
                 self.stem.microbatch = microbatch
                 self.stem.active = True
                 if widths is not None:
@@ -210,7 +213,7 @@ class DraftStage:
         taps = self.channel.read(microbatch)
         taps = torch.cat([taps[layer] for layer in self.tap_layers], dim=-1)
         logits = logits.reshape(-1, logits.shape[-1]).float()
-        if self.stem is None:
+        if self.stem is None or self._measuring:  # (a measure-only step needs no tree forward)
             self.trainer.microbatch(rows, taps, logits)
             return
         if self.pp > 1:

@@ -349,8 +349,9 @@ class GrpoRun:
         draft_updates, signal = self.draft_budget(step, batch, m)
         with timed(m, "time/update"), self.engines_asleep():
             # the log-prob recomputation; the co-trained drafter takes its step(s) on this same forward
-            lp = self.trainer.logprobs(batch, draft_step=step if draft_updates else None,
-                                       draft_updates=max(draft_updates, 1))
+            # (an idle drafter, draft.budget.measure_idle: draft_updates 0 = scored on this forward, no step)
+            scored = draft_updates > 0 or (self.budget is not None and cfg.draft.budget.measure_idle)
+            lp = self.trainer.logprobs(batch, draft_step=step if scored else None, draft_updates=draft_updates)
             batch.old_logprobs, batch.ref_logprobs = lp.logprobs, lp.ref_logprobs
             if self.budget is not None:
                 self.budget.spent(step, draft_updates, signal, lp.draft_metrics)

@@ -118,7 +118,8 @@ class TrainingBackend(ABC):
         """Log-probabilities of the response tokens under the current policy. With ``draft_step``
         (co-training), the co-trained drafter takes its step ``draft_step`` on this very forward:
         its taps and the policy's detached logits; then ``draft_updates - 1`` more optimizer steps
-        on its replay window (draft.budget)."""
+        on its replay window (draft.budget). ``draft_updates`` 0: the drafter is only scored on the
+        step's chains (draft.budget.measure_idle), its weights and optimizer state untouched."""
 
     @abstractmethod
     def train_step(self, batch: TrainBatch) -> dict[str, float]:

@@ -367,7 +367,7 @@ class MegatronPolicyWorker:
 
         With ``draft_step`` the co-trained drafter takes a step on this forward (the log-prob
         recomputation of the policy that generated the rollouts; see docs/cotrain.md), and
-        ``draft_updates - 1`` more on its replay window (draft.budget)."""
+        ``draft_updates - 1`` more on its replay window (draft.budget); 0 = scored only, no step."""
         micro = self._micro_batches(batch)
         collect = lambda mb, lp: (lp.sum() * 0, {"lp": lp.detach().float() * mb.mask})  # noqa: E731
         self.model.eval()

@@ -70,6 +70,8 @@ ERROR_CASES = [
     ("budget_no_drafter", ["draft.budget.mode=adaptive"], "draft.budget", ["needs a co-trained drafter"]),
     ("budget_fixed", ["draft.kind=dflash", "draft.budget.replay_steps=2"], "draft.budget.replay_steps",
      ["acts only with draft.budget.mode=adaptive"]),
+    ("budget_fixed_measure", ["draft.kind=dflash", "draft.budget.measure_idle=true"], "draft.budget.measure_idle",
+     ["acts only with draft.budget.mode=adaptive"]),
     ("budget_no_replay", ["draft.kind=dflash", "draft.budget.mode=adaptive", "draft.budget.max_steps=1", "draft.budget.replay_max_mib=64"],
      "draft.budget.replay_max_mib", ["acts only with draft.budget.max_steps > 1"]),
     ("budget_on_policy", ["draft.kind=dflash", "draft.budget.mode=adaptive", "draft.budget.max_steps=2", "draft.branches=on_policy",

@@ -209,3 +209,43 @@ def test_replayed_steps_train_further_at_the_steps_rate_and_resume_exactly(tiny_
     assert again["loss"] == fresh3["loss"] and again["replay_loss"] == fresh3["replay_loss"]
     for (n, p), (_, q) in zip(three.drafter.named_parameters(), restored.drafter.named_parameters()):
         assert torch.equal(p, q), n
+
+
+def test_a_measure_only_step_scores_like_a_training_step_and_changes_nothing(tiny_model_path):
+    """``draft.budget.measure_idle``: an idle step's measure-only pass reports the acceptance (the
+    frozen copy's too) that a training step reports on the same inputs, and leaves the drafter, its
+    optimizer, schedule, replay window and vocabulary counts as they were: the next training step is
+    bit-identical to that of a trainer that never measured."""
+    import copy
+
+    def make():
+        t = _budget_trainer(tiny_model_path, max_steps=3, lr=0.05)
+        t.frozen = copy.deepcopy(t.drafter).requires_grad_(False).eval()
+        return t
+
+    measured, trained, skipped = make(), make(), make()
+    for t in (measured, trained, skipped):
+        _grpo_step(t, 1, extra=0)
+    before = copy.deepcopy(measured.state_dict())
+    measured.begin_step(2, measure_only=True)
+    rows, taps, logits = _step_inputs(measured, 2)
+    assert measured.microbatch(rows, taps, logits) == {}
+    m = measured.end_step()
+    ref = _grpo_step(trained, 2, extra=0)  # scores its chains before its update: the same drafter as measured's
+    for k in ("acceptance_offline", "chains", "acceptance_offline_frozen"):
+        assert m[k] == ref[k], k
+    assert m["chains"] > 0 and m["time_s"] == 0.0 and m["measure_s"] > 0
+    assert not {"loss", "grad_norm", "lr", "flops"} & set(m)  # no step was taken
+    after = measured.state_dict()
+    assert after["steps_done"] == before["steps_done"] == 1
+    assert all(torch.equal(after["drafter"][n], p) for n, p in before["drafter"].items())
+    opt_a, opt_b = after["optimizer"], before["optimizer"]
+    assert opt_a["param_groups"] == opt_b["param_groups"] and opt_a["state"].keys() == opt_b["state"].keys()
+    assert all(torch.equal(torch.as_tensor(opt_a["state"][i][k]), torch.as_tensor(v))
+               for i in opt_b["state"] for k, v in opt_b["state"][i].items())
+    assert [e["step"] for e in after["window"]["entries"]] == [e["step"] for e in before["window"]["entries"]]
+    # the next step (two replayed) as if step 2 had never happened
+    m3, s3 = _grpo_step(measured, 3, extra=2), _grpo_step(skipped, 3, extra=2)
+    assert m3["loss"] == s3["loss"] and m3["replay_loss"] == s3["replay_loss"] and m3["lr"] == s3["lr"]
+    for (n, p), (_, q) in zip(measured.drafter.named_parameters(), skipped.drafter.named_parameters()):
+        assert torch.equal(p, q), n

@@ -60,6 +60,9 @@ def runs(tiny_model_path):
                          weights=group.named_weights("policy"))
                 if kind:
                     r["draft_weights"] = group.named_weights("draft")
+                    # an idle step of draft.budget.measure_idle: scored on the updated policy's forward, no step
+                    r["measured"] = group.logprobs(batch, draft_step=2, draft_updates=0).draft_metrics
+                    r["measured_weights"] = group.named_weights("draft")
                     if layout in ("pp1", "dp2") and kind == "dflash":
                         # the next drafter step starts from the updated policy's tensors, and takes two
                         # more optimizer steps on its replay window (steps 1 and 2's microbatches)
@@ -144,6 +147,22 @@ def test_drafter_step_equals_the_offline_distillation_step(runs, kind, tiny_mode
     assert m["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
     for name, w in again.vllm_state_dict().items():
         torch.testing.assert_close(after[name], w, atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("kind, layout", [(k, lay) for k, lay in RUNS if k])
+def test_a_measure_only_step_scores_the_drafter_without_moving_it(runs, kind, layout):
+    """draft_updates=0: the drafter's acceptance on the step's chains, the same in every layout and
+    (pp1, dp2) exactly what the training step 2 that follows reports before its update; the drafter's
+    weights untouched."""
+    r, base = runs[(kind, layout)], runs[(kind, "pp1")]
+    m = r["measured"]
+    assert m["draft/updates"] == 0.0 and m["draft/time_s"] == 0.0 and "draft/loss" not in m and m["draft/chains"] > 0
+    assert m["draft/acceptance_offline"] == pytest.approx(base["measured"]["draft/acceptance_offline"], rel=1e-6)
+    assert m["draft/chains"] == base["measured"]["draft/chains"]
+    if "replayed" in r:
+        assert m["draft/acceptance_offline"] == r["replayed"]["draft/acceptance_offline"]
+    for name, w in r["draft_weights"].items():
+        assert torch.equal(r["measured_weights"][name], w), name
 
 
 def test_replayed_drafter_steps_are_the_same_in_every_layout(runs):

@@ -422,6 +422,12 @@ def test_the_adaptive_budget_idles_while_the_drafter_keeps_up_and_works_when_it_
     _run(_cfg(tmp_path / "b", *ADAPTIVE, f"checkpoint.dir={tmp_path / 'a' / 'checkpoints'}",
               f"checkpoint.resume={step4}"), resumed, resume=str(step4))
     assert resumed.trainer_.draft_updates == [1, 0, 2, 3, 3]
+    # draft.budget.measure_idle: the idle step still hands the drafter its forward, with no update
+    measured = FakeWorkers(acceptance=_acceptance)
+    _run(_cfg(tmp_path / "c", *ADAPTIVE, "draft.budget.measure_idle=true"), measured)
+    assert measured.trainer_.draft_updates == workers.trainer_.draft_updates
+    assert [e for e in measured.log if e[0] == "logprobs"] == [("logprobs", s) for s in range(1, 10)]
+    assert _metrics(tmp_path / "c")[6]["draft/updates"] == 0.0
 
 
 # ------------------------------------------------------------------ asynchronous GRPO (grpo.max_staleness)
