@@ -82,7 +82,9 @@ ARMS = {"padded": ["policy.packing=false", "policy.max_tokens_per_microbatch=nul
 GOALS = {"speedup": 3.0, "memory_ratio": 0.5, "matmul_fraction": 0.6}
 GIB = 2.0 ** 30
 CACHE_DIR = ROOT / "runs" / "bench_update"
-COMMON = ["logging.progress_bar=false", "logging.tensorboard=false", "data.eval.every=0"]
+# (run.output_dir: the bench writes no run, and the workload's own runs/<name> may hold the user's)
+COMMON = ["logging.progress_bar=false", "logging.tensorboard=false", "data.eval.every=0",
+          "run.output_dir=runs/bench_update/run"]
 # (the quick run keeps the arithmetic task's shuffled prompts, not the demo's curriculum file: its log-prob
 # bound is checked on the arms' own weights after 2-3 updates, where float noise amplified by Adam depends
 # on the rows; the curriculum's first prompts give 3.2e-4 where these give 3.3e-5)

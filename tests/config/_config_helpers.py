@@ -21,6 +21,15 @@ def write(dirpath: Path, name: str, text: str) -> Path:
     return p
 
 
+def shipped(name: str, overrides=()):
+    """A shipped config, its run folder away from the checkout's runs/ (where a user's run of it,
+    e.g. `make demo`'s runs/demo, is a folder that validation refuses to mix a fresh run with)."""
+    import tempfile
+
+    away = Path(tempfile.gettempdir()) / "cotrain-tests-no-run" / Path(name).stem
+    return load_config(CONFIGS / name, [f"run.output_dir={away}", *overrides])
+
+
 def error_of(overrides, path=DEMO) -> ConfigError:
     with pytest.raises(ConfigError) as info:
         load_config(path, overrides)

@@ -21,38 +21,38 @@ from cotrain.config import (
     load_config,
 )
 from cotrain.config.loader import load_merged
-from _config_helpers import ROOT, CONFIGS, DEMO, LAUNCH, write, error_of, assert_issue
+from _config_helpers import ROOT, CONFIGS, DEMO, LAUNCH, write, error_of, assert_issue, shipped
 
 
 # ----------------------------------------------------------------------------- shipped configs
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml") if not p.name.startswith("distill_")))
 def test_shipped_configs_validate(name):  # distill_*.yaml are cotrain.draft.distill configs (tests/draft)
-    cfg = load_config(CONFIGS / name)
+    cfg = shipped(name)
     assert cfg.cluster.device in ("cpu", "cuda")
     layers = {"builtin:tiny": 4, "builtin:small": 6, "builtin:calc": 4}[cfg.policy.model_path]
     assert cfg.model_arch is not None and cfg.model_arch.num_hidden_layers == layers
 
 
 def test_demo_configs_content():
-    plain = load_config(CONFIGS / "grpo.yaml")
+    plain = shipped("grpo.yaml")
     assert (plain.cluster.device, plain.world_size, plain.rollout.num_engines) == ("cpu", 1, 1)
     assert plain.policy.model_path == "builtin:tiny"
     assert 15 <= plain.grpo.num_steps <= 100
     assert (plain.grpo.prompts_per_step, plain.grpo.group_size, plain.rollout_batch_size) == (16, 16, 256)
     assert plain.draft.kind is None and plain.rollout.speculative.method is None
-    demo = load_config(CONFIGS / "demo.yaml")  # the same run with a co-trained DFlash drafter serving the rollouts
+    demo = shipped("demo.yaml")  # the same run with a co-trained DFlash drafter serving the rollouts
     assert demo.grpo == plain.grpo and demo.policy == plain.policy
     assert (demo.draft.kind, demo.draft.cotrain, demo.rollout.speculative.method) == ("dflash", True, "dflash")
     assert demo.draft.init == "distill:configs/distill_dflash.yaml"
-    pp2 = load_config(CONFIGS / "demo_pp2.yaml")
+    pp2 = shipped("demo_pp2.yaml")
     assert pp2.policy.parallel.pipeline == 2 and pp2.world_size == 2 and pp2.draft.kind == "dflash"
     for name, kind in (("demo.yaml", "dflash"), ("demo_eagle3.yaml", "eagle3")):
-        cfg = load_config(CONFIGS / name)
+        cfg = shipped(name)
         assert cfg.draft.kind == kind and cfg.draft.cotrain
         assert cfg.rollout.speculative.method == kind
         assert cfg.draft.settings is cfg.draft.kind_settings(kind)
         assert all(0 <= t < 4 for t in cfg.draft.settings.tap_layers)
-    dspark = load_config(CONFIGS / "demo_dspark.yaml")
+    dspark = shipped("demo_dspark.yaml")
     assert dspark.draft.kind == "dspark" and dspark.rollout.speculative.method is None
 
 
@@ -205,10 +205,11 @@ def test_config_error_is_value_error():
 
 # ------------------------------------------------------------------------------- resolution
 def test_resolved_values_and_round_trip(tmp_path):
-    cfg = load_config(CONFIGS / "demo_eagle3.yaml")
-    assert cfg.run.output_dir == "runs/demo_eagle3"
-    assert cfg.checkpoint.dir == "runs/demo_eagle3/checkpoints"
-    assert cfg.logging.tensorboard_dir == "runs/demo_eagle3/tensorboard"
+    # (a run name no run of the checkout has: runs/demo_eagle3 may hold the user's)
+    cfg = load_config(CONFIGS / "demo_eagle3.yaml", ["run.name=resolved-paths"])
+    assert cfg.run.output_dir == "runs/resolved-paths"
+    assert cfg.checkpoint.dir == "runs/resolved-paths/checkpoints"
+    assert cfg.logging.tensorboard_dir == "runs/resolved-paths/tensorboard"
     assert cfg.rollout.weight_transport == "shm" and cfg.rollout.enforce_eager is True
     assert cfg.rollout.kv_cache_memory_bytes == 256 * 2**20 and cfg.rollout.gpus_per_engine == 0
     assert cfg.grpo.global_batch_size == 256 and cfg.micro_batches_per_update == 4

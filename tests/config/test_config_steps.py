@@ -2,7 +2,8 @@
 
 import pytest
 
-from cotrain.config import load_config
+from _config_helpers import shipped
+
 from cotrain.config.derived import total_optimizer_steps
 
 
@@ -11,4 +12,4 @@ def test_total_optimizer_steps_by_hand(gbs, epochs, want):
     # 5 steps x (4 prompts x 4 samples = 16 sequences) / global batch x epochs
     over = ["grpo.num_steps=5", "grpo.prompts_per_step=4", "grpo.group_size=4", "policy.micro_batch_size=4",
             f"grpo.epochs={epochs}"] + ([f"grpo.global_batch_size={gbs}"] if gbs else [])
-    assert total_optimizer_steps(load_config("configs/grpo.yaml", over)) == want
+    assert total_optimizer_steps(shipped("grpo.yaml", over)) == want

@@ -97,6 +97,7 @@ def test_calibration_writes_a_schedule_the_config_accepts(tmp_path, tiny_model_p
     from cotrain.config import load_config
 
     sched = json.dumps(result["schedule"]).replace(" ", "")
-    cfg = load_config(ROOT / "configs" / "demo.yaml", [f"rollout.speculative.batch_size_schedule={sched}"])
+    cfg = load_config(ROOT / "configs" / "demo.yaml", [f"rollout.speculative.batch_size_schedule={sched}",
+                                                       f"run.output_dir={tmp_path}"])  # (runs/demo may hold the user's)
     assert cfg.rollout.speculative.batch_size_schedule[0][0] == 1
     assert "batch_size_schedule" in proc.stdout

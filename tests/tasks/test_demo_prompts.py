@@ -45,11 +45,11 @@ def test_two_phases_and_held_out_evaluation():
     assert len(set(held)) == len(held) and not prompts & set(held)
 
 
-def test_demo_reads_the_curriculum_once_in_order():
+def test_demo_reads_the_curriculum_once_in_order(tmp_path):
     from cotrain.config import load_config
     from cotrain.tasks.data import PromptStream, load_task
 
-    cfg = load_config(ROOT / "configs/demo.yaml")
+    cfg = load_config(ROOT / "configs/demo.yaml", [f"run.output_dir={tmp_path}"])  # (runs/demo may hold the user's)
     assert (cfg.data.task, cfg.data.shuffle, cfg.grpo.resample_rounds) == ("jsonl", False, 0)
     train, evals = load_task(cfg.data, min_train=cfg.grpo.prompts_per_step)
     assert [p.prompt for p in evals] == [r["prompt"] for r in _read("demo_eval.jsonl")]
