@@ -728,7 +728,7 @@ class DraftBudgetConfig(StrictModel):
     each on the log-prob recomputation's taps; no backward, no optimizer step, nothing replayed),
     so draft/acceptance_offline(_frozen) has a point every step; its seconds are draft/measure_s,
     outside time/draft. When the engines do not serve the co-trained drafter this measured
-    acceptance is also the budget's signal on the next step. false: an idle step has no draft/*
+    acceptance is also the budget's signal on the next step (the probe_every probes still run). false: an idle step has no draft/*
     metrics."""
     replay_steps: PosInt = 4
     """adaptive with max_steps > 1: the replay window holds the drafter inputs (taps, the policy's

@@ -398,8 +398,8 @@ class OnlineDraftTrainer:
         chains); no loss, no backward, nothing kept for replay or counted for the draft vocabulary."""
         t0, f0 = time.perf_counter(), self._timers["frozen_s"]
         batch, local_logits = to_draft_batch(rows, taps, logits, self.cp_size)
-        layout = self._layout_for(batch, rows.seq_ids, self._step)
-        out, best, lens, first = self._teacher_forced_acceptance(batch, layout, local_logits)
+        layout = self._layout_for(batch, rows.seq_ids, self._anchor_step)
+        best, lens, first = self._teacher_forced_acceptance(batch, layout, local_logits)
         if self.frozen is not None:
             self._frozen_acceptance(batch, layout, best)
         self._stats["accept_sum"] += lens.sum()
@@ -409,9 +409,9 @@ class OnlineDraftTrainer:
         return {}
 
     def _teacher_forced_acceptance(self, batch: DraftBatch, layout, local_logits: torch.Tensor):
-        """(out, best, lengths, first): the drafter's teacher-forced chains of ``layout`` (no grad),
-        the policy's greedy token at each chain position (fetched from its owner under CP) and the
-        chains' greedy acceptance (:meth:`_chain_acceptance`), added to the per-turn sums."""
+        """(best, lengths, first) of the drafter's teacher-forced chains of ``layout`` (no grad): the
+        policy's greedy token at each chain position (fetched from its owner under CP) and the chains'
+        greedy acceptance (:meth:`_chain_acceptance`), added to the per-turn sums."""
         group = self.cp_group if self.cp_size > 1 else None
         with torch.no_grad():
             out = self.drafter(batch, layout, group=group)
@@ -422,7 +422,7 @@ class OnlineDraftTrainer:
                 best = local_logits.argmax(-1)[out.target_rows.clamp(min=0)]
             lens, first = self._chain_acceptance(out, getattr(self.drafter, "vocab", None), best)
             self._accumulate_turns(batch, out, lens, first)
-        return out, best, lens, first
+        return best, lens, first
 
     @property
     def _anchor_step(self) -> int:
@@ -572,7 +572,7 @@ class OnlineDraftTrainer:
         t1 = time.perf_counter()
         n = br.valid.sum()
         # teacher-forced chains at the same anchors: the acceptance comparable across draft.branches
-        out, best, lens, first = self._teacher_forced_acceptance(batch, layout, local_logits)
+        best, lens, first = self._teacher_forced_acceptance(batch, layout, local_logits)
         self._timers["eval_s"] += time.perf_counter() - t1
         if self.frozen is not None:
             self._frozen_acceptance(batch, layout, best)
@@ -588,8 +588,8 @@ class OnlineDraftTrainer:
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         keys = sorted(self._stats)
         stats = torch.tensor([float(self._stats[k]) for k in keys], dtype=torch.float64)  # the step's one read-back
-        device = params[0].device if params else torch.device("cpu")
         if self._measuring:  # no gradients, no token counts: only the statistics cross
+            device = params[0].device if params else torch.device("cpu")
             grads, counts = torch.zeros(0, device=device), torch.zeros(0, dtype=torch.float64)
         else:
             grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()

@@ -140,7 +140,12 @@ class DraftStage:
                 reduce_group=ps.get_data_parallel_group(with_context_parallel=True), k=k,
                 eos_token_id=target.eos_token_id, compare_frozen=d.compare_frozen)
         self._active = False
-        self._measuring = False  # this step only scores the drafter (begin(updates=0))
+        self._updates = 1  # the drafter's optimizer steps this GRPO step (begin)
+
+    @property
+    def _measuring(self) -> bool:
+        """This step only scores the drafter (begin(updates=0), draft.budget.measure_idle)."""
+        return self._updates == 0
 
     # ------------------------------------------------------------------ shared tensors
     def _tp_gather_rows(self, w: torch.Tensor) -> torch.Tensor:
@@ -182,7 +187,6 @@ class DraftStage:
         ``updates - 1`` on the replay window, in :meth:`end`; 0 = a measure-only step
         (draft.budget.measure_idle: the drafter is scored on the step's chains, no step, no stem)."""
         self._updates = int(updates)
-        self._measuring = self._updates == 0
         self._clear_tree()
         embed, lm_head = self.shared_tensors()
         if self.trainer is not None:
@@ -294,11 +298,11 @@ class DraftStage:
         if self.trainer is None:
             return None
         own = self.trainer.end_step()
-        replayed = self.trainer.replay(getattr(self, "_updates", 1) - 1)
+        replayed = self.trainer.replay(self._updates - 1)
         if replayed:  # the extra steps are co-training's work too
             own["time_s"] += replayed.pop("replay_s")
             own.update(replayed)
-        own["updates"] = float(getattr(self, "_updates", 1))
+        own["updates"] = float(self._updates)
         m = {f"draft/{k}": v for k, v in own.items()}
         m.update({"tap/wait_s": tap["reader_wait_s"], "tap/copy_s": tap["reader_copy_s"],
                   "tap/bytes": float(tap["bytes_read"]), "tap/moved_bytes": float(tap["moved_bytes"])})
