@@ -115,6 +115,15 @@ class BlockDrafter(Drafter):
             anchors = self.sample_anchors(batch, None if all_anchors else int(self.cfg.anchors_per_seq), generator)
         return dflash_layout(batch.cu_seqlens, anchors, self.block_size, cp_size=cp_size)
 
+    def chains(self, anchors: torch.Tensor, batch: DraftBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(target_rows, valid) of the chains at ``anchors``: draft j of the block at anchor a is
+        supervised by target row a + j (``draft_width`` drafts)."""
+        return chain_rows(anchors, self.draft_width, batch)
+
+    def target_rows_read(self, batch: DraftBatch, layout: BranchLayout) -> Optional[torch.Tensor]:
+        rows, valid = self.chains(layout.anchors, batch)
+        return torch.unique(rows[valid])  # sorted
+
     # ----- forward ------------------------------------------------------------------------------
     def backbone(self, batch: DraftBatch, layout: BranchLayout, group=None):
         """Block hidden states (NB, B, H) after the final norm, plus the local anchors and block ids."""
@@ -167,10 +176,9 @@ class BlockDrafter(Drafter):
             layout = self.build_layout(batch)
         hidden, anchors, _ = self.backbone(batch, layout, group)
         logits = self.base_logits(hidden)[:, 1:]  # block position j+1 -> draft j
-        W = self.block_size - 1
-        target_rows, valid = chain_rows(anchors, W, batch)
+        target_rows, valid = self.chains(anchors, batch)
         return DraftOutput(logits=logits, bonus_pos=anchors, target_rows=target_rows, valid=valid,
-                           loss_weight=exp_decay_weights(W, self.cfg.loss_gamma))
+                           loss_weight=exp_decay_weights(self.draft_width, self.cfg.loss_gamma))
 
     @property
     def draft_width(self) -> int:

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from cotrain.config.schema import DSparkConfig
-from cotrain.draft.common import DraftBatch, DraftOutput, chain_rows, exp_decay_weights
+from cotrain.draft.common import DraftBatch, DraftOutput, exp_decay_weights
 from cotrain.draft.dflash import BlockDrafter
 from cotrain.draft.registry import register_drafter
 from cotrain.draft.taps import TargetSpec
@@ -90,7 +90,7 @@ class DSparkDrafter(BlockDrafter):
         prev = torch.where(src < end, batch.input_ids[src.clamp(max=T - 1)], torch.full_like(src, self.pad_token_id))
         logits = self.base_logits(hidden) + self.markov_head.bias(prev, hidden)
         conf = self.confidence_head(hidden) if self.confidence_head is not None else None
-        target_rows, valid = chain_rows(anchors, B, batch)
+        target_rows, valid = self.chains(anchors, batch)
         return DraftOutput(logits=logits, bonus_pos=anchors, target_rows=target_rows, valid=valid, confidence=conf,
                            loss_weight=exp_decay_weights(B, self.cfg.loss_gamma))
 

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from cotrain.draft.acceptance import accept_lengths
 from cotrain.draft.common import DraftBatch, DraftOutput, turn_of
 from cotrain.draft.cp import fetch_rows
-from cotrain.draft.losses import TargetDist, draft_loss, target_dist
+from cotrain.draft.losses import TargetDist, draft_loss
 from cotrain.draft.optim import apply_config, clip_, lr_at, make_optimizer, remap_optimizer_rows, set_lr
 from cotrain.draft.registry import Drafter, record_of
 from cotrain.draft.vocab import DraftVocab, token_counts
@@ -164,6 +164,48 @@ def to_draft_batch(rows: RolloutRows, taps: torch.Tensor, logits: torch.Tensor, 
     positions in the policy's order, row after row (its zigzag shard under CP; rows of S positions
     when padded, of ``rows.widths`` when packed; logits past them, a packed row's filler, are dropped).
     """
+    batch, target = draft_inputs(rows, taps, logits, cp_size)
+    return batch, target.source
+
+
+@dataclass
+class TargetLogits:
+    """The policy's target logits of one microbatch as the drafter reads them.
+
+        source  [R, V]  logit rows (tempered, filtered, detached): the batch's rows in order (CP = 1),
+                        this rank's zigzag shard (CP > 1), or only the rows the step reads (compact)
+        index   [T]     compact: batch row t -> its row of ``source``, -1 where it was not kept;
+                        None: row t of ``source`` itself (or, under CP, fetched from its owner)
+    """
+
+    source: torch.Tensor
+    index: Optional[torch.Tensor] = None
+
+    def at(self, target_rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Rows of ``source`` for the batch rows ``target_rows`` (clamped to >= 0 where not ``valid``);
+        a valid row the compact handoff did not keep is an error, never a silently wrong target."""
+        r = target_rows.clamp(min=0)
+        if self.index is None:
+            return r
+        out = self.index[r.to(self.index.device)]
+        if bool(((out < 0) & valid.to(out.device)).any()):
+            raise RuntimeError("the drafter reads target rows that the compact logits handoff did not keep "
+                               "(OnlineDraftTrainer.logit_rows and the drafter's forward disagree)")
+        return out.clamp(min=0).to(self.source.device)
+
+
+def real_positions(rows: RolloutRows) -> torch.Tensor:
+    """[T] the forward position (index into the microbatch's logits rows, row after row) of each real
+    token of ``rows`` in the batch's packed order (CP = 1: padding and a packed row's filler dropped)."""
+    return spans(torch.cumsum(rows.row_widths(), 0) - rows.row_widths(), rows.lengths.to(torch.int64))
+
+
+def draft_inputs(rows: RolloutRows, taps: Optional[torch.Tensor], logits: Optional[torch.Tensor], cp_size: int = 1,
+                 logit_rows: Optional[torch.Tensor] = None) -> tuple[DraftBatch, Optional[TargetLogits]]:
+    """(DraftBatch, TargetLogits) of one microbatch (see :func:`to_draft_batch`). ``logit_rows`` (CP = 1):
+    ``logits`` holds only the forward positions ``logit_rows`` (sorted), row j = position
+    ``logit_rows[j]`` (:meth:`OnlineDraftTrainer.logit_rows`). ``taps`` / ``logits`` None: the batch's
+    index fields only (for its layout), empty taps."""
     b, S = rows.inputs.shape
     supervised = torch.zeros(b, S, dtype=torch.bool)
     supervised[:, 1:] = rows.mask[:, :-1].bool()  # token t is a response token iff target t-1 is
@@ -171,25 +213,37 @@ def to_draft_batch(rows: RolloutRows, taps: torch.Tensor, logits: torch.Tensor, 
     first = torch.where(any_resp, supervised.float().argmax(dim=1), rows.lengths)
     widths = rows.row_widths()
     row_starts = torch.arange(b) * S  # each row in the flattened [b, S] grid
+    target = None
     if cp_size == 1:
         lengths = rows.lengths.to(torch.int64)
-        keep = spans(torch.cumsum(widths, 0) - widths, lengths)  # the real positions in the forward's order
+        keep = real_positions(rows)  # the real positions in the forward's order
         grid = spans(row_starts, lengths)
         ids, lm = rows.inputs.reshape(-1)[grid], supervised.reshape(-1)[grid]
-        taps, logits = taps[keep.to(taps.device)], logits[keep.to(logits.device)]
-        target_logits = logits
+        if taps is not None:
+            taps = taps[keep.to(taps.device)]
+        if logits is not None and logit_rows is None:
+            target = TargetLogits(logits[keep.to(logits.device)])
+        elif logits is not None:  # compact: batch row t -> its row of logits
+            where = torch.full((int(widths.sum()),), -1, dtype=torch.int64)
+            where[logit_rows.cpu()] = torch.arange(logit_rows.numel())
+            target = TargetLogits(logits, where[keep].to(logits.device))
     else:
+        if logit_rows is not None:
+            raise ValueError("a compact logits handoff is for CP = 1 (under CP the rows come from their owners)")
         # whole rows as the forward laid them out (padding included): S each, or packed P_s each
         lengths = widths
         grid = spans(row_starts, widths)
         ids, lm = rows.inputs.reshape(-1)[grid], supervised.reshape(-1)[grid]
         n = int(widths.sum()) // cp_size
-        taps, logits = taps[:n], logits[:n]
-        target_logits = None
+        taps = taps[:n] if taps is not None else None
+        target = TargetLogits(logits[:n]) if logits is not None else None
+    if taps is None:
+        taps = torch.zeros(0, 0)
     cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
-    batch = DraftBatch(input_ids=ids, cu_seqlens=cu, taps=taps, loss_mask=lm, target_logits=target_logits,
-                       response_start=first.to(torch.int64))
-    return batch, logits
+    batch = DraftBatch(input_ids=ids, cu_seqlens=cu, taps=taps, loss_mask=lm,
+                       target_logits=target.source if target is not None and target.index is None and cp_size == 1
+                       else None, response_start=first.to(torch.int64))
+    return batch, target
 
 
 def _frozen_copy(drafter: Drafter) -> Drafter:
@@ -333,10 +387,27 @@ class OnlineDraftTrainer:
             return self.drafter.build_layout(batch, cp_size=self.cp_size, anchors=anchors)
         return self.drafter.build_layout(batch, cp_size=self.cp_size)
 
+    def logit_rows(self, rows: RolloutRows) -> Optional[torch.Tensor]:
+        """The forward positions of ``rows`` (indices into the microbatch's logits, row after row) whose
+        target logits this step's microbatch reads, sorted; None = all of them. The policy's log-prob
+        loop then hands over only those rows (the compact handoff: no [tokens, V] copy of the whole
+        microbatch): the chains' target rows at the anchors the step draws (:meth:`_layout_for`,
+        seeded by the rows and the step alone, so known before the forward). Every row is kept where
+        more is read: under CP (rows fetched from their owners), with a replay window (a replayed
+        microbatch draws fresh anchors), for on-policy branches (the stem's logits) and for a family
+        whose chains start everywhere (EAGLE-3)."""
+        if self.cp_size > 1 or self.window is not None or self.branches != "teacher_forced" or self._replay is not None:
+            return None
+        batch, _ = draft_inputs(rows, None, None)
+        need = self.drafter.target_rows_read(batch, self._layout_for(batch, rows.seq_ids, self._anchor_step))
+        return None if need is None else real_positions(rows)[need]
+
     def microbatch(self, rows: RolloutRows, taps: torch.Tensor, logits: torch.Tensor,
-                   scorer: Optional[Callable] = None) -> dict[str, torch.Tensor]:
+                   scorer: Optional[Callable] = None, logit_rows: Optional[torch.Tensor] = None
+                   ) -> dict[str, torch.Tensor]:
         """Forward and backward of the drafter on one microbatch (gradients accumulate). Returns the
         loss's metrics as device tensors: nothing is read back to the host before end_step.
+        ``logit_rows``: ``logits`` holds only those forward positions (:meth:`logit_rows`).
 
         ``draft.branches: on_policy``: ``scorer(layout, tokens, positions)`` returns the policy's
         logits (tempered and filtered like ``logits``) at the branch tokens of the tree ``layout``
@@ -344,28 +415,28 @@ class OnlineDraftTrainer:
         if self._step is None:
             raise RuntimeError("call begin_step before microbatch")
         if self._measuring:
-            return self._measure(rows, taps, logits)
+            return self._measure(rows, taps, logits, logit_rows)
         t0, f0 = time.perf_counter(), self._timers["frozen_s"]
         if self._replay is None:
             self._microbatches_seen += 1
             if self.window is not None:
                 self.window.add(self._step, rows, taps, logits)
-        batch, local_logits = to_draft_batch(rows, taps, logits, self.cp_size)
+        batch, target = draft_inputs(rows, taps, logits, self.cp_size, logit_rows)
         layout = self._layout_for(batch, rows.seq_ids, self._anchor_step)
         if self.branches == "on_policy":
             if scorer is None:
                 raise ValueError("draft.branches: on_policy needs the policy's tree scorer for every microbatch")
-            m = self._on_policy(rows, batch, local_logits, layout, scorer)
+            m = self._on_policy(rows, batch, target.source, layout, scorer)
             self._seconds += time.perf_counter() - t0 - (self._timers["frozen_s"] - f0)
             return m
         with torch.enable_grad():
             out = self.drafter(batch, layout, group=self.cp_group if self.cp_size > 1 else None)
             if self.cp_size > 1:  # the rows this rank's chains need, fetched from their owners
-                V = local_logits.shape[-1]
-                tl = fetch_rows(local_logits, out.target_rows, layout, self.cp_group).view(-1, V)
+                V = target.source.shape[-1]
+                tl = fetch_rows(target.source, out.target_rows, layout, self.cp_group).view(-1, V)
                 p = TargetDist(tl, torch.arange(tl.shape[0], device=tl.device).view(out.target_rows.shape))
             else:  # gathered chunk by chunk inside the loss
-                p = target_dist(local_logits, out)
+                p = TargetDist(target.source, target.at(out.target_rows, out.valid))
             # token ids are host-side (index space), the chains on the drafter's device
             labels = batch.input_ids[(out.target_rows + 1).clamp(min=0, max=batch.num_tokens - 1).cpu()].to(
                 out.logits.device)
@@ -392,14 +463,15 @@ class OnlineDraftTrainer:
         return m
 
     @torch.no_grad()
-    def _measure(self, rows: RolloutRows, taps: torch.Tensor, logits: torch.Tensor) -> dict:
+    def _measure(self, rows: RolloutRows, taps: torch.Tensor, logits: torch.Tensor,
+                 logit_rows: Optional[torch.Tensor] = None) -> dict:
         """A measure-only microbatch: the drafter's teacher-forced chains at the anchors a training
         step would draw, scored as a training step scores them (and the frozen copy's on the same
         chains); no loss, no backward, nothing kept for replay or counted for the draft vocabulary."""
         t0, f0 = time.perf_counter(), self._timers["frozen_s"]
-        batch, local_logits = to_draft_batch(rows, taps, logits, self.cp_size)
+        batch, target = draft_inputs(rows, taps, logits, self.cp_size, logit_rows)
         layout = self._layout_for(batch, rows.seq_ids, self._anchor_step)
-        best, lens, first = self._teacher_forced_acceptance(batch, layout, local_logits)
+        best, lens, first = self._teacher_forced_acceptance(batch, layout, target)
         if self.frozen is not None:
             self._frozen_acceptance(batch, layout, best)
         self._stats["accept_sum"] += lens.sum()
@@ -408,7 +480,7 @@ class OnlineDraftTrainer:
         self._timers["measure_s"] += time.perf_counter() - t0 - (self._timers["frozen_s"] - f0)
         return {}
 
-    def _teacher_forced_acceptance(self, batch: DraftBatch, layout, local_logits: torch.Tensor):
+    def _teacher_forced_acceptance(self, batch: DraftBatch, layout, target: "TargetLogits"):
         """(best, lengths, first) of the drafter's teacher-forced chains of ``layout`` (no grad): the
         policy's greedy token at each chain position (fetched from its owner under CP) and the chains'
         greedy acceptance (:meth:`_chain_acceptance`), added to the per-turn sums."""
@@ -416,10 +488,10 @@ class OnlineDraftTrainer:
         with torch.no_grad():
             out = self.drafter(batch, layout, group=group)
             if self.cp_size > 1:  # the rows the chains need, from their owners
-                ids = local_logits.argmax(-1).double()[:, None]  # token ids, exact in float64
+                ids = target.source.argmax(-1).double()[:, None]  # token ids, exact in float64
                 best = fetch_rows(ids, out.target_rows, layout, group).view(out.target_rows.shape).long()
             else:
-                best = local_logits.argmax(-1)[out.target_rows.clamp(min=0)]
+                best = target.source.argmax(-1)[target.at(out.target_rows, out.valid)]
             lens, first = self._chain_acceptance(out, getattr(self.drafter, "vocab", None), best)
             self._accumulate_turns(batch, out, lens, first)
         return best, lens, first
@@ -572,7 +644,7 @@ class OnlineDraftTrainer:
         t1 = time.perf_counter()
         n = br.valid.sum()
         # teacher-forced chains at the same anchors: the acceptance comparable across draft.branches
-        best, lens, first = self._teacher_forced_acceptance(batch, layout, local_logits)
+        best, lens, first = self._teacher_forced_acceptance(batch, layout, TargetLogits(local_logits))
         self._timers["eval_s"] += time.perf_counter() - t1
         if self.frozen is not None:
             self._frozen_acceptance(batch, layout, best)

@@ -99,6 +99,12 @@ class Drafter(nn.Module):
     def forward(self, batch: DraftBatch, layout: Optional[BranchLayout] = None, group=None) -> DraftOutput:
         raise NotImplementedError
 
+    def target_rows_read(self, batch: DraftBatch, layout: BranchLayout) -> Optional[torch.Tensor]:
+        """The packed rows of the target logits that ``forward(batch, layout)`` at CP = 1 supervises
+        (its ``target_rows`` where valid), sorted and unique, without running it; None = every row
+        (a family whose chains start at every position gains nothing from naming them)."""
+        return None
+
     # ----- vLLM -------------------------------------------------------------------------------
     def vllm_state_dict(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError

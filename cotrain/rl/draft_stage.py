@@ -19,7 +19,9 @@ drafter borrows the current policy's before every step of its own):
 
     embedding  [V, H]      every family; first stage, gathered over TP, broadcast over PP when PP > 1
     LM head    [V, H]      DFlash / DSpark; last stage
-    logits     [b, S, V]   per microbatch: the policy's vocab-parallel logits gathered over TP
+    logits     [b, S, V]   per microbatch: the policy's vocab-parallel logits gathered over TP; at CP = 1
+               [n, V]      only the n rows the drafter reads (its chains' targets: compact handoff,
+                           OnlineDraftTrainer.logit_rows) where it knows them before the forward
 
 ``draft.branches: on_policy``: the log-prob forward also keeps every layer's stem keys and values
 (:class:`~cotrain.parallel.megatron_adapter.StemKV`) and the drafter's scorer runs the policy over
@@ -206,8 +208,15 @@ class DraftStage:
                 if widths is not None:
                     self.stem.widths[microbatch] = widths
 
-    def after_logits(self, microbatch: int, rows: RolloutRows, logits: torch.Tensor) -> None:
-        """Last stage: ``logits`` [b, S/cp, V/tp] of the microbatch (tempered, detached)."""
+    def logit_rows(self, rows: RolloutRows) -> Optional[torch.Tensor]:
+        """Last stage: the forward positions of ``rows`` whose logits the drafter reads this step
+        (:meth:`OnlineDraftTrainer.logit_rows`; None = all): the log-prob loop hands only those over."""
+        return self.trainer.logit_rows(rows) if self._active and self.trainer is not None else None
+
+    def after_logits(self, microbatch: int, rows: RolloutRows, logits: torch.Tensor,
+                     logit_rows: Optional[torch.Tensor] = None) -> None:
+        """Last stage: ``logits`` [b, S/cp, V/tp] of the microbatch (tempered, detached); with
+        ``logit_rows`` (:meth:`logit_rows`) [n, V/tp], only those forward positions."""
         if not self._active:
             return
         from megatron.core import tensor_parallel
@@ -218,7 +227,7 @@ class DraftStage:
         taps = torch.cat([taps[layer] for layer in self.tap_layers], dim=-1)
         logits = logits.reshape(-1, logits.shape[-1]).float()
         if self.stem is None or self._measuring:  # (a measure-only step needs no tree forward)
-            self.trainer.microbatch(rows, taps, logits)
+            self.trainer.microbatch(rows, taps, logits, logit_rows=logit_rows)
             return
         if self.pp > 1:
             # deferred to end(): the earlier stages are inside the schedule now. The logits are

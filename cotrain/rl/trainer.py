@@ -230,11 +230,13 @@ class MegatronPolicyWorker:
         return zigzag_merge(parts, dim=1)
 
     # ------------------------------------------------------------------ forward machinery
-    def _token_logprobs(self, model, mb, on_logits=None) -> torch.Tensor:
+    def _token_logprobs(self, model, mb, on_logits=None, logit_rows=None) -> torch.Tensor:
         """log pi(target) for every position, [b, S] (vocab-parallel safe), pi the distribution the
         engines sample from: the tempered logits with vLLM's top-k / top-p filter of
         rollout.sampling (:mod:`cotrain.rl.sampling_filter`: -inf outside the kept set). On the last
-        stage ``on_logits`` receives those filtered tempered logits [b, S, V/tp] (detached) first.
+        stage ``on_logits`` receives those filtered tempered logits [b, S, V/tp] (detached) first;
+        with ``logit_rows`` (sorted positions of the flattened [b * S]) only those rows, [n, V/tp]:
+        a copy of what the drafter reads, not of the whole micro batch.
         ``mb``: padded rows (TrainBatch) or a packed row (PackedMicro: Megatron's THD path).
 
         Chunked (policy.logprob_chunk_tokens): the last stage runs the output layer over chunks of
@@ -253,23 +255,36 @@ class MegatronPolicyWorker:
         b, s = mb.inputs.shape
         chunk = self._chunk_positions(b, (weight if weight is not None else head.weight).shape[0])
         if chunk >= s:
+            if on_logits is not None and logit_rows is not None:  # only the rows asked for (a copy)
+                hand = on_logits
+                on_logits = lambda x: hand(x.reshape(-1, x.shape[-1])[logit_rows])  # noqa: E731
             return self._logprobs_from_logits(model(mb.inputs, pos, None, **kwargs), mb.targets, on_logits)
         head.forward = lambda h, weight=None, runtime_gather_output=None: (h, None)  # the model returns [b, s, h]
         try:
             hidden = model(mb.inputs, pos, None, **kwargs)
         finally:
             del head.forward
-        # on_logits' copy [b, s, V/tp], filled chunk by chunk in the forward (one buffer: no list of
-        # chunks to concatenate); the backward's recomputation of a chunk writes nothing
+        # on_logits' copy [b, s, V/tp] (or [n, V/tp] of logit_rows), filled chunk by chunk in the
+        # forward (one buffer: no list of chunks to concatenate); the backward's recomputation of a
+        # chunk writes nothing
         seen: dict = {"buf": None, "recording": on_logits is not None}
+        if logit_rows is not None:
+            hand, col = on_logits, logit_rows % s  # each row's column: the chunks cut along S
 
         def piece(h: torch.Tensor, targets: torch.Tensor, a: int) -> torch.Tensor:
             logits = head(h.transpose(0, 1), weight=weight)[0].transpose(0, 1)  # [b, c, V/tp]
 
             def keep(x: torch.Tensor) -> None:  # a copy: Megatron's cross-entropy overwrites its input in place
+                c = x.shape[1]
                 if seen["buf"] is None:
-                    seen["buf"] = x.new_empty(b, s, x.shape[-1])
-                seen["buf"][:, a:a + x.shape[1]].copy_(x)
+                    n = (b * s) if logit_rows is None else logit_rows.numel()
+                    seen["buf"] = x.new_empty(n, x.shape[-1])
+                if logit_rows is None:
+                    seen["buf"].view(b, s, -1)[:, a:a + c].copy_(x)
+                    return
+                sel = torch.nonzero((col >= a) & (col < a + c)).squeeze(1)  # slots of this chunk's rows
+                r = logit_rows[sel]
+                seen["buf"][sel] = x[r // s, r % s - a]
 
             return self._logprobs_from_logits(logits, targets, keep if seen["recording"] else None)
 
@@ -282,7 +297,11 @@ class MegatronPolicyWorker:
                 out.append(piece(h, t, a))
         if seen["recording"]:
             seen["recording"] = False
-            on_logits(seen.pop("buf"))
+            buf = seen.pop("buf")
+            if logit_rows is None:
+                on_logits(buf.view(b, s, -1))
+            else:
+                hand(buf)
         return torch.cat(out, dim=1)
 
     def _chunk_positions(self, rows: int, vocab_local: int) -> int:
@@ -322,13 +341,17 @@ class MegatronPolicyWorker:
 
         def forward_step(data_iterator, model_chunk):
             i, mb = next(data_iterator)
-            on_logits = None
+            on_logits = logit_rows = None
             if draft_rows is not None:  # the taps: this rank's positions of the real sequences (no filler)
                 packed = isinstance(mb, PackedMicro)
                 self.draft.before_forward(i, mb.num_real if packed else mb.inputs.numel(),
                                           widths=mb.widths if packed else None)
-                on_logits = partial(self.draft.after_logits, i, draft_rows[i])
-            return self._token_logprobs(model_chunk, mb, on_logits), partial(loss_fn, mb)
+                if ps.is_pipeline_last_stage():  # only the rows the drafter reads (None: all)
+                    logit_rows = self.draft.logit_rows(draft_rows[i])
+                    if logit_rows is not None:
+                        logit_rows = logit_rows.to(mb.inputs.device)
+                on_logits = partial(self.draft.after_logits, i, draft_rows[i], logit_rows=logit_rows)
+            return self._token_logprobs(model_chunk, mb, on_logits, logit_rows), partial(loss_fn, mb)
 
         # seq_length: the whole row (a CP rank's microbatch holds S / cp of it; Megatron's schedule
         # divides by the CP size for the shapes it sends between stages); a packed micro batch is one

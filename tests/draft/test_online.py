@@ -1,5 +1,6 @@
 """The drafter's side of co-training without Megatron: rows -> DraftBatch, anchors, sampling options."""
 
+import pytest
 import torch
 
 from cotrain.config.schema import DraftConfig
@@ -249,3 +250,95 @@ def test_a_measure_only_step_scores_like_a_training_step_and_changes_nothing(tin
     assert m3["loss"] == s3["loss"] and m3["replay_loss"] == s3["replay_loss"] and m3["lr"] == s3["lr"]
     for (n, p), (_, q) in zip(measured.drafter.named_parameters(), skipped.drafter.named_parameters()):
         assert torch.equal(p, q), n
+
+
+def _packed_rows(rows: RolloutRows) -> tuple[RolloutRows, torch.Tensor]:
+    """``rows`` as a packed microbatch lays them out (each row's real positions end to end, then 5
+    positions of filler) and the index of those positions in the padded [b * S] grid."""
+    from cotrain.parallel.layout import spans
+
+    b, S = rows.inputs.shape
+    lengths = rows.lengths.to(torch.int64)
+    grid = spans(torch.arange(b) * S, lengths)
+    packed = RolloutRows(rows.inputs, rows.mask, rows.lengths, rows.seq_ids, widths=lengths.clone())
+    return packed, torch.cat([grid, torch.full((5,), b * S - 1)])
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_compact_logits_handoff_trains_and_scores_as_the_whole_logits(tiny_model_path, kind, packed):
+    """The drafter's step reads the target logits only at its chains' rows, so a microbatch may hand
+    over only those (OnlineDraftTrainer.logit_rows, known before the forward): the loss, gradients,
+    acceptance (the frozen copy's too), weights after two steps and a measure-only step are bit for bit
+    those of the whole logits; fewer rows cross; a row missing from the compact logits is an error."""
+    import copy
+
+    settings = {"block_size": 4, "anchors_per_seq": 3}
+    cfg = DraftConfig.model_validate({"kind": kind, "loss": "soft_ce", "optimizer": {"lr": 0.05}, kind: settings})
+    target = TargetSpec.from_checkpoint(tiny_model_path)
+    whole = OnlineDraftTrainer(build_drafter(kind, cfg.settings, target, seed=0), cfg, total_steps=10, seed=7,
+                               compare_frozen=True)
+    compact = copy.deepcopy(whole)
+    width, V = whole.drafter.num_taps * target.arch.hidden_size, target.arch.vocab_size
+    kept = []
+
+    def step(t, s, measure=False, use_rows=False):
+        t.begin_step(s, measure_only=measure)
+        rows, taps, logits = _long_rows(n=4, S=40, seed=s), None, None
+        g = torch.Generator().manual_seed(100 + s)
+        taps, logits = torch.randn(4 * 40, width, generator=g), torch.randn(4 * 40, V, generator=g)
+        if packed:
+            rows, at = _packed_rows(rows)
+            taps, logits = taps[at], logits[at]
+        for sl in (slice(0, 2), slice(2, 4)):
+            sub = RolloutRows(rows.inputs[sl], rows.mask[sl], rows.lengths[sl], rows.seq_ids[sl],
+                              widths=None if rows.widths is None else rows.widths[sl])
+            w = sub.row_widths()
+            lo = int(rows.row_widths()[:sl.start].sum())
+            hi = lo + int(w.sum())
+            sub_taps, sub_logits = taps[lo:hi], logits[lo:hi]
+            if use_rows:
+                r = t.logit_rows(sub)
+                assert r is not None and torch.equal(r, torch.sort(r).values)
+                kept.append((r.numel(), int(sub.lengths.sum())))
+                t.microbatch(sub, sub_taps, sub_logits[r], logit_rows=r)
+            else:
+                t.microbatch(sub, sub_taps, sub_logits)
+        return t.end_step()
+
+    for s in (1, 2):
+        a, b = step(whole, s), step(compact, s, use_rows=True)
+        assert {k: v for k, v in a.items() if not k.endswith("_s")} == {k: v for k, v in b.items() if not k.endswith("_s")}
+        assert a["chains"] > 0 and a["acceptance_offline_frozen"] > 0
+    for (n, p), (_, q) in zip(whole.drafter.named_parameters(), compact.drafter.named_parameters()):
+        assert torch.equal(p, q), n
+    a, b = step(whole, 3, measure=True), step(compact, 3, measure=True, use_rows=True)
+    assert a["acceptance_offline"] == b["acceptance_offline"] and a["chains"] == b["chains"] > 0
+    assert a["acceptance_offline_frozen"] == b["acceptance_offline_frozen"]
+    assert all(n < real for n, real in kept)  # fewer rows than the microbatch's real positions
+    # the drafter reading a row the handoff did not keep is refused, not a wrong target
+    compact.begin_step(4)
+    rows = _long_rows(n=2, S=40, seed=4)
+    r = compact.logit_rows(rows)
+    with pytest.raises(RuntimeError, match="did not keep"):
+        compact.microbatch(rows, torch.randn(80, width), torch.randn(r.numel() - 1, V), logit_rows=r[1:])
+
+
+def test_every_row_is_handed_over_where_the_step_reads_more(tiny_model_path):
+    """logit_rows is None (the whole logits) for EAGLE-3 (chains at every position), under CP (rows
+    fetched from their owners) and with a replay window (replays draw fresh anchors)."""
+    rows = _long_rows(n=2, S=40)
+    eagle = DraftConfig.model_validate({"kind": "eagle3", "eagle3": {"ttt_steps": 3}})
+    target = TargetSpec.from_checkpoint(tiny_model_path)
+    t = OnlineDraftTrainer(build_drafter("eagle3", eagle.settings, target, seed=0), eagle, total_steps=10)
+    t.begin_step(1)
+    assert t.logit_rows(rows) is None
+    cp = _trainer(tiny_model_path, cp=2)
+    cp.begin_step(1)
+    assert cp.logit_rows(rows) is None
+    replay = _budget_trainer(tiny_model_path)
+    replay.begin_step(1)
+    assert replay.logit_rows(rows) is None
+    fixed = _trainer(tiny_model_path)
+    fixed.begin_step(1)
+    assert fixed.logit_rows(rows) is not None
