@@ -27,6 +27,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 
 apply_cpu_compat()  # again: the imports above loaded more megatron modules
 
+from cotrain.models import packed_rope  # noqa: E402
+
+packed_rope.install()  # packed rows' RoPE in one vectorised call (megatron's loops over the sequences)
+
 
 def transformer_config(arch: ArchSpec, *, dtype: torch.dtype = torch.float32, **overrides) -> TransformerConfig:
     """A TransformerConfig with the architecture of ``arch``; parallel degrees from parallel_state."""
