@@ -284,7 +284,11 @@ class MegatronPolicyWorker:
                     return
                 sel = torch.nonzero((col >= a) & (col < a + c)).squeeze(1)  # slots of this chunk's rows
                 r = logit_rows[sel]
-                seen["buf"][sel] = x[r // s, r % s - a]
+                if b == 1 and sel.numel():  # a packed row: the chunk's rows are one run of slots, written in place
+                    lo = int(sel[0])
+                    torch.index_select(x[0], 0, r - a, out=seen["buf"][lo:lo + sel.numel()])
+                else:
+                    seen["buf"][sel] = x[r // s, r % s - a]
 
             return self._logprobs_from_logits(logits, targets, keep if seen["recording"] else None)
 
