@@ -159,6 +159,17 @@ class Eagle3Drafter(Drafter):
         return eagle3_ttt_layout(batch.cu_seqlens, self.num_passes, positions=self.chain_anchors(batch),
                                  cp_size=cp_size)
 
+    def chains(self, anchors: torch.Tensor, batch: DraftBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(target_rows, valid) of the chains at chain anchors p: bonus x_{p+1}, draft j supervised by
+        target row p + 1 + j (``num_passes`` drafts)."""
+        return chain_rows(anchors + 1, self.num_passes, batch)
+
+    def target_rows_read(self, batch: DraftBatch, layout: BranchLayout) -> Optional[torch.Tensor]:
+        """Every chain anchor's rows: the response positions (from the one before the first supervised
+        token), none of the prompt's."""
+        rows, valid = self.chains(self.chain_anchors(batch), batch)
+        return torch.unique(rows[valid])
+
     # ----- forward ------------------------------------------------------------------------------
     def forward(self, batch: DraftBatch, layout: Optional[BranchLayout] = None, group=None,
                 next_tokens: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None) -> DraftOutput:
@@ -245,7 +256,7 @@ class Eagle3Drafter(Drafter):
             logits.append(self._logits(prenorm))
 
         bonus = anchors + 1
-        target_rows, valid = chain_rows(bonus, k, batch)
+        target_rows, valid = self.chains(anchors, batch)
         return DraftOutput(logits=torch.stack(logits, dim=1), bonus_pos=bonus, target_rows=target_rows, valid=valid)
 
     def _logits(self, prenorm: torch.Tensor) -> torch.Tensor:

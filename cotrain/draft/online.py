@@ -392,10 +392,10 @@ class OnlineDraftTrainer:
         target logits this step's microbatch reads, sorted; None = all of them. The policy's log-prob
         loop then hands over only those rows (the compact handoff: no [tokens, V] copy of the whole
         microbatch): the chains' target rows at the anchors the step draws (:meth:`_layout_for`,
-        seeded by the rows and the step alone, so known before the forward). Every row is kept where
+        seeded by the rows and the step alone, so known before the forward; EAGLE-3, whose chains
+        start at every response position: the response rows, no prompt row). Every row is kept where
         more is read: under CP (rows fetched from their owners), with a replay window (a replayed
-        microbatch draws fresh anchors), for on-policy branches (the stem's logits) and for a family
-        whose chains start everywhere (EAGLE-3)."""
+        microbatch draws fresh anchors) and for on-policy branches (the stem's logits)."""
         if self.cp_size > 1 or self.window is not None or self.branches != "teacher_forced" or self._replay is not None:
             return None
         batch, _ = draft_inputs(rows, None, None)

@@ -101,8 +101,7 @@ class Drafter(nn.Module):
 
     def target_rows_read(self, batch: DraftBatch, layout: BranchLayout) -> Optional[torch.Tensor]:
         """The packed rows of the target logits that ``forward(batch, layout)`` at CP = 1 supervises
-        (its ``target_rows`` where valid), sorted and unique, without running it; None = every row
-        (a family whose chains start at every position gains nothing from naming them)."""
+        (its ``target_rows`` where valid), sorted and unique, without running it; None = every row."""
         return None
 
     # ----- vLLM -------------------------------------------------------------------------------

@@ -264,7 +264,7 @@ def _packed_rows(rows: RolloutRows) -> tuple[RolloutRows, torch.Tensor]:
     return packed, torch.cat([grid, torch.full((5,), b * S - 1)])
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "eagle3"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_compact_logits_handoff_trains_and_scores_as_the_whole_logits(tiny_model_path, kind, packed):
     """The drafter's step reads the target logits only at its chains' rows, so a microbatch may hand
@@ -273,7 +273,7 @@ def test_the_compact_logits_handoff_trains_and_scores_as_the_whole_logits(tiny_m
     those of the whole logits; fewer rows cross; a row missing from the compact logits is an error."""
     import copy
 
-    settings = {"block_size": 4, "anchors_per_seq": 3}
+    settings = {"ttt_steps": 3} if kind == "eagle3" else {"block_size": 4, "anchors_per_seq": 3}
     cfg = DraftConfig.model_validate({"kind": kind, "loss": "soft_ce", "optimizer": {"lr": 0.05}, kind: settings})
     target = TargetSpec.from_checkpoint(tiny_model_path)
     whole = OnlineDraftTrainer(build_drafter(kind, cfg.settings, target, seed=0), cfg, total_steps=10, seed=7,
@@ -315,7 +315,7 @@ def test_the_compact_logits_handoff_trains_and_scores_as_the_whole_logits(tiny_m
     a, b = step(whole, 3, measure=True), step(compact, 3, measure=True, use_rows=True)
     assert a["acceptance_offline"] == b["acceptance_offline"] and a["chains"] == b["chains"] > 0
     assert a["acceptance_offline_frozen"] == b["acceptance_offline_frozen"]
-    assert all(n < real for n, real in kept)  # fewer rows than the microbatch's real positions
+    assert all(n < real for n, real in kept)  # fewer rows than the microbatch's real positions (EAGLE-3: no prompt row)
     # the drafter reading a row the handoff did not keep is refused, not a wrong target
     compact.begin_step(4)
     rows = _long_rows(n=2, S=40, seed=4)
@@ -325,14 +325,18 @@ def test_the_compact_logits_handoff_trains_and_scores_as_the_whole_logits(tiny_m
 
 
 def test_every_row_is_handed_over_where_the_step_reads_more(tiny_model_path):
-    """logit_rows is None (the whole logits) for EAGLE-3 (chains at every position), under CP (rows
-    fetched from their owners) and with a replay window (replays draw fresh anchors)."""
+    """logit_rows is None (the whole logits) under CP (rows fetched from their owners) and with a
+    replay window (replays draw fresh anchors); EAGLE-3's are its response rows (chains start at every
+    response position), from the one before the first supervised token to the one before the last."""
     rows = _long_rows(n=2, S=40)
     eagle = DraftConfig.model_validate({"kind": "eagle3", "eagle3": {"ttt_steps": 3}})
     target = TargetSpec.from_checkpoint(tiny_model_path)
     t = OnlineDraftTrainer(build_drafter("eagle3", eagle.settings, target, seed=0), eagle, total_steps=10)
     t.begin_step(1)
-    assert t.logit_rows(rows) is None
+    got = t.logit_rows(rows)
+    S = rows.inputs.shape[1]
+    want = torch.cat([i * S + torch.nonzero(rows.mask[i]).squeeze(1) for i in range(len(rows))])
+    assert torch.equal(got, want)  # target row t supervises token t + 1: the mask's rows, exactly
     cp = _trainer(tiny_model_path, cp=2)
     cp.begin_step(1)
     assert cp.logit_rows(rows) is None

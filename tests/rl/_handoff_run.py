@@ -1,7 +1,7 @@
 """The co-trained drafter's compact logits handoff inside the Megatron trainer, for
 tests/rl/test_trainer_handoff.py: one :class:`~cotrain.rl.trainer.MegatronPolicyWorker` in this process
-(world size 1), a DFlash drafter under the fixed budget (so the compact handoff is on), the built tiny
-model, a fixed rollout batch.
+(world size 1), a DFlash or EAGLE-3 drafter (``--kind``) under the fixed budget (so the compact handoff
+is on), the built tiny model, a fixed rollout batch.
 
 For each layout (packed rows whole, packed rows in log-prob chunks of 8 positions, padded rows in
 chunks) the drafter's step is taken twice from the same state: with the compact handoff (only the rows
@@ -10,7 +10,7 @@ micro batch), the drafter's state restored in between; then a measure-only step 
 the draft metrics, the drafter's weights, the policy's log-probs and the rows handed over per micro
 batch (``torch.save`` of a dict to ``--out``).
 
-    python tests/rl/_handoff_run.py --model-dir D --out R.pt
+    python tests/rl/_handoff_run.py --model-dir D --out R.pt [--kind eagle3]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--kind", default="dflash", choices=("dflash", "eagle3"))
     args = ap.parse_args(argv)
     import torch
 
@@ -44,8 +45,9 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     cfg = load_config(ROOT / "configs/grpo.yaml", [
         "policy.micro_batch_size=4", "grpo.prompts_per_step=4", "policy.reference_model=false",
-        "rollout.speculative.method=null", "draft.kind=dflash", "draft.cotrain=true", "draft.dflash.block_size=4",
-        "draft.dflash.anchors_per_seq=2", "draft.optimizer.lr=0.05", "draft.budget.mode=fixed",
+        "rollout.speculative.method=null", f"draft.kind={args.kind}", "draft.cotrain=true",
+        *(["draft.dflash.block_size=4", "draft.dflash.anchors_per_seq=2"] if args.kind == "dflash"
+          else ["draft.eagle3.ttt_steps=3"]), "draft.optimizer.lr=0.05", "draft.budget.mode=fixed",
         "policy.max_seq_len=32", "policy.max_tokens_per_microbatch=64", "run.output_dir=" + str(Path(args.out).parent / "run")])
     worker = MegatronPolicyWorker(cfg, args.model_dir, 0, 1, "127.0.0.1", find_free_port())
     stage, trainer = worker.draft, worker.draft.trainer

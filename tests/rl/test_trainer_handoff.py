@@ -1,7 +1,7 @@
 """The compact logits handoff in the Megatron trainer (tests/rl/_handoff_run.py, world size 1): the
-drafter's log-prob forward hands it only the rows its chains read, and its step is bit for bit the
-one on the whole logits - packed rows whole or in log-prob chunks, padded rows in chunks, a training
-and a measure-only step."""
+drafter's log-prob forward hands it only the rows its chains read (DFlash: its anchors' chains;
+EAGLE-3: the response rows), and its step is bit for bit the one on the whole logits - packed rows
+whole or in log-prob chunks, padded rows in chunks, a training and a measure-only step."""
 
 import subprocess
 import sys
@@ -13,11 +13,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def handoff(tiny_model_path, tmp_path_factory):
+@pytest.fixture(scope="module", params=["dflash", "eagle3"])
+def handoff(request, tiny_model_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("handoff") / "handoff.pt"
     proc = subprocess.run([sys.executable, str(ROOT / "tests/rl/_handoff_run.py"), "--model-dir", tiny_model_path,
-                           "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                           "--out", str(out), "--kind", request.param], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out)
 
