@@ -410,14 +410,16 @@ def train_arm(drafter, train, cfg, branches: str, loss: str, steps: int, seed: i
             "step_s": spread(times) if times else None}
 
 
-def vllm_rounds(llm, prompts: list[str], temperature: float, samples: int, seed: int) -> tuple[list, list]:
+def vllm_rounds(llm, prompts: list[str], temperature: float, samples: int, seed: int,
+                max_tokens: int = 16) -> tuple[list, list]:
     """(per-request per-round accepted counts, per-request token ids) of one generate call."""
     from vllm import SamplingParams
 
     if temperature == 0:
-        params = SamplingParams(temperature=0.0, max_tokens=16)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     else:
-        params = SamplingParams(temperature=temperature, top_p=1.0, top_k=0, max_tokens=16, n=samples, seed=seed)
+        params = SamplingParams(temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_tokens, n=samples,
+                                seed=seed)
     outs = llm.generate(prompts, params, use_tqdm=False)
     rounds, tokens = [], []
     for o in outs:

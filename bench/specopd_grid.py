@@ -323,9 +323,7 @@ def served_acceptance(drafters: dict, target_path, prompts: list[str], reference
     target's greedy response (``reference``: what the offline walk ran on)."""
     import tempfile
 
-    from vllm import SamplingParams
-
-    from bench.specopd import acceptance_from_rounds
+    from bench.specopd import acceptance_from_rounds, vllm_rounds
     from cotrain.draft.export import export_drafter
     from cotrain.rl.vllm.client import push_weights
     from cotrain.rl.vllm.engine import make_cotrain_llm
@@ -337,15 +335,9 @@ def served_acceptance(drafters: dict, target_path, prompts: list[str], reference
         llm = make_cotrain_llm(str(target_path), seed=0, spec_metrics="detailed",
                                speculative_config=first.speculative_config(str(Path(tmp) / "drafter"), K))
         try:
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
             for version, (name, drafter) in enumerate(drafters.items(), start=1):
                 push_weights(llm, "draft", drafter.vllm_state_dict(), version)
-                rounds, tokens = [], []
-                for o in llm.generate(prompts, params, use_tqdm=False):
-                    c = o.outputs[0]
-                    m = c.spec_decode_metrics
-                    rounds.append(list((m.to_dict() if hasattr(m, "to_dict") else dict(m or {})).get("per_step_accepted", [])))
-                    tokens.append(list(c.token_ids))
+                rounds, tokens = vllm_rounds(llm, prompts, 0.0, 1, 0, max_tokens=max_tokens)
                 out[name] = {**acceptance_from_rounds(rounds, K), "identical_to_target": tokens == reference}
         finally:
             try:

@@ -213,7 +213,7 @@ def draft_inputs(rows: RolloutRows, taps: Optional[torch.Tensor], logits: Option
     first = torch.where(any_resp, supervised.float().argmax(dim=1), rows.lengths)
     widths = rows.row_widths()
     row_starts = torch.arange(b) * S  # each row in the flattened [b, S] grid
-    target = None
+    target = whole = None  # whole: the batch's own target_logits (CP = 1, every row)
     if cp_size == 1:
         lengths = rows.lengths.to(torch.int64)
         keep = real_positions(rows)  # the real positions in the forward's order
@@ -222,7 +222,8 @@ def draft_inputs(rows: RolloutRows, taps: Optional[torch.Tensor], logits: Option
         if taps is not None:
             taps = taps[keep.to(taps.device)]
         if logits is not None and logit_rows is None:
-            target = TargetLogits(logits[keep.to(logits.device)])
+            whole = logits[keep.to(logits.device)]
+            target = TargetLogits(whole)
         elif logits is not None:  # compact: batch row t -> its row of logits
             where = torch.full((int(widths.sum()),), -1, dtype=torch.int64)
             where[logit_rows.cpu()] = torch.arange(logit_rows.numel())
@@ -240,9 +241,8 @@ def draft_inputs(rows: RolloutRows, taps: Optional[torch.Tensor], logits: Option
     if taps is None:
         taps = torch.zeros(0, 0)
     cu = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
-    batch = DraftBatch(input_ids=ids, cu_seqlens=cu, taps=taps, loss_mask=lm,
-                       target_logits=target.source if target is not None and target.index is None and cp_size == 1
-                       else None, response_start=first.to(torch.int64))
+    batch = DraftBatch(input_ids=ids, cu_seqlens=cu, taps=taps, loss_mask=lm, target_logits=whole,
+                       response_start=first.to(torch.int64))
     return batch, target
 
 

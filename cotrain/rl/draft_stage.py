@@ -209,8 +209,9 @@ class DraftStage:
                     self.stem.widths[microbatch] = widths
 
     def logit_rows(self, rows: RolloutRows) -> Optional[torch.Tensor]:
-        """Last stage: the forward positions of ``rows`` whose logits the drafter reads this step
-        (:meth:`OnlineDraftTrainer.logit_rows`; None = all): the log-prob loop hands only those over."""
+        """The forward positions of ``rows`` whose logits the drafter reads this step
+        (:meth:`OnlineDraftTrainer.logit_rows`; None = all, and on every stage but the last): the
+        log-prob loop hands only those over."""
         return self.trainer.logit_rows(rows) if self._active and self.trainer is not None else None
 
     def after_logits(self, microbatch: int, rows: RolloutRows, logits: torch.Tensor,

@@ -350,10 +350,9 @@ class MegatronPolicyWorker:
                 packed = isinstance(mb, PackedMicro)
                 self.draft.before_forward(i, mb.num_real if packed else mb.inputs.numel(),
                                           widths=mb.widths if packed else None)
-                if ps.is_pipeline_last_stage():  # only the rows the drafter reads (None: all)
-                    logit_rows = self.draft.logit_rows(draft_rows[i])
-                    if logit_rows is not None:
-                        logit_rows = logit_rows.to(mb.inputs.device)
+                logit_rows = self.draft.logit_rows(draft_rows[i])  # the rows the drafter reads (None: all)
+                if logit_rows is not None:
+                    logit_rows = logit_rows.to(mb.inputs.device)
                 on_logits = partial(self.draft.after_logits, i, draft_rows[i], logit_rows=logit_rows)
             return self._token_logprobs(model_chunk, mb, on_logits, logit_rows), partial(loss_fn, mb)
 
