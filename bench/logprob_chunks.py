@@ -12,7 +12,7 @@ real scale: written once to ``--model-dir``), one packed micro batch of ``--toke
               with the co-trained drafter's handoff of the whole logits (the last stage's on_logits
               callback receives the filtered, tempered logits [b, S, V/tp] of each micro batch and
               keeps them to the end of the call, as cotrain/rl/draft_stage.py does without the
-              compact handoff: under CP, a replay window, on-policy branches, EAGLE-3), and compact:
+              compact handoff: under CP, a replay window, on-policy branches), and compact:
               chunked with the compact handoff (only the rows a DFlash drafter's step reads cross,
               [n, V/tp]: the logit_rows of a real DFlash drafter's OnlineDraftTrainer, fixed budget,
               step 1, for this micro batch's RolloutRows as MegatronPolicyWorker._draft_rows builds
