@@ -9,7 +9,8 @@
 The cluster is ``ray start --head --block`` with its own temporary directory and its own free
 ports (GCS, dashboard, dashboard agent, runtime-env agent, metrics, node and object managers, Ray
 client; workers on random ports), so it cannot collide with another Ray on the machine (8265,
-52365, ... may be taken). The fixture waits until the dashboard's job agent accepts a job (a
+52365, ... may be taken). Its ports lie outside the kernel's ephemeral range, where no ``bind(0)``
+or outgoing connection lands, and a start that still loses one is retried on fresh ports. The fixture waits until the dashboard's job agent accepts a job (a
 job submitted too early fails with "No available agent to submit job"). Teardown stops exactly
 this cluster: SIGTERM to its ``ray start --block`` process (which shuts its node down), then
 SIGKILL to any process of it still alive - its descendants, recorded before the stop, and any
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -54,15 +56,38 @@ PORT_FLAGS = ("--port", "--dashboard-port", "--dashboard-agent-listen-port", "--
               "--ray-client-server-port")
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free on every address right now (bound together, then released)."""
-    socks = []
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports bound to 0 and outgoing connections (Linux's default otherwise)."""
     try:
-        for _ in range(n):
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on every address right now, drawn outside the kernel's ephemeral
+    range: a port handed out by ``bind(0)`` can be handed again to any process (a Ray worker's, a
+    connection's) between our release and Ray's bind; one below the range is only ever taken by a
+    process that names it."""
+    lo, hi = _ephemeral_range()
+    pool = [p for p in range(10000, 65536) if not lo <= p <= hi]
+    rng = random.Random(f"{os.getpid()}-{time.monotonic_ns()}")
+    rng.shuffle(pool)
+    socks, ports = [], []
+    try:
+        for port in pool:
+            if len(ports) == n:
+                return ports
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("", 0))
+            try:
+                s.bind(("", port))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
-        return [s.getsockname()[1] for s in socks]
+            ports.append(port)
+        raise RuntimeError(f"fewer than {n} free ports outside the ephemeral range {lo}-{hi}")
     finally:
         for s in socks:
             s.close()
@@ -133,28 +158,40 @@ class LoopbackCluster:
         return killed
 
 
-def start_cluster(num_cpus: int = 4, timeout: float = 240) -> LoopbackCluster:
+PORT_CLASH = ("address already in use", "Failed to find a valid port", "already occupied")
+
+
+def start_cluster(num_cpus: int = 4, timeout: float = 240, attempts: int = 3) -> LoopbackCluster:
     """``ray start --head --block`` on loopback with its own temp dir and free ports; returns once
-    the dashboard's job agent runs jobs."""
-    # short: Ray's unix sockets live under it (a socket path has at most 107 bytes)
-    temp_dir = Path(tempfile.mkdtemp(prefix="cotrain-ray-", dir="/tmp"))
-    ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS))))
-    log = temp_dir / "ray_start.log"
-    cmd = [RAY, "start", "--head", "--block", "--num-cpus", str(num_cpus), "--node-ip-address", "127.0.0.1",
-           "--dashboard-host", "127.0.0.1", "--include-dashboard", "true", "--disable-usage-stats",
-           "--temp-dir", str(temp_dir), "--min-worker-port", "0", "--max-worker-port", "0"]
-    for flag, port in ports.items():
-        cmd += [flag, str(port)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, env=ENV, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    cluster = LoopbackCluster(address=f"http://127.0.0.1:{ports['--dashboard-port']}",
-                              gcs_address=f"127.0.0.1:{ports['--port']}", temp_dir=temp_dir, proc=proc, log=log)
-    try:
-        wait_for_job_agent(cluster, timeout)
-    except BaseException:
-        cluster.stop()
-        raise
-    return cluster
+    the dashboard's job agent runs jobs. A start that fails because another process bound one of its
+    ports in between is retried on fresh ports, up to ``attempts`` times."""
+    for attempt in range(1, attempts + 1):
+        # short: Ray's unix sockets live under it (a socket path has at most 107 bytes)
+        temp_dir = Path(tempfile.mkdtemp(prefix="cotrain-ray-", dir="/tmp"))
+        ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS))))
+        log = temp_dir / "ray_start.log"
+        cmd = [RAY, "start", "--head", "--block", "--num-cpus", str(num_cpus), "--node-ip-address", "127.0.0.1",
+               "--dashboard-host", "127.0.0.1", "--include-dashboard", "true", "--disable-usage-stats",
+               "--temp-dir", str(temp_dir), "--min-worker-port", "0", "--max-worker-port", "0"]
+        for flag, port in ports.items():
+            cmd += [flag, str(port)]
+        with log.open("wb") as out:
+            proc = subprocess.Popen(cmd, env=ENV, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        cluster = LoopbackCluster(address=f"http://127.0.0.1:{ports['--dashboard-port']}",
+                                  gcs_address=f"127.0.0.1:{ports['--port']}", temp_dir=temp_dir, proc=proc, log=log)
+        try:
+            wait_for_job_agent(cluster, timeout)
+            return cluster
+        except RuntimeError as e:
+            cluster.stop()
+            if attempt == attempts or not any(m in str(e) for m in PORT_CLASH):
+                raise
+            print(f"ray start lost a port to another process (attempt {attempt}/{attempts}); retrying on fresh ports",
+                  file=sys.stderr)
+        except BaseException:
+            cluster.stop()
+            raise
+    raise AssertionError("unreachable")
 
 
 def wait_for_job_agent(cluster: LoopbackCluster, timeout: float) -> None:
