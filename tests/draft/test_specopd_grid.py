@@ -86,6 +86,60 @@ def test_summary_gains_and_plateau_recomputed_by_hand():
     assert "| DFlash | off-policy CE | 3 | 3.000 [2.900, 3.200] | 2.500 [2.400, 2.700] | 2.900 [2.800, 3.100] |" in md
 
 
+def test_lr_sweep_pairs_every_scale_against_the_same_ce_arm(tmp_path, capsys):
+    """--lr-scale: only the non-CE arms' rate scales; the sweep report pairs each scale's arms with
+    the CE arm (the same drafter in every run) by hand, names the best scale, refuses mixed runs."""
+    opt = grid.family_config("tiny", "dflash", 4, constant=True).draft.optimizer
+    assert grid.arm_optimizer(opt, "offpolicy_ce", 0.3) is opt
+    scaled = grid.arm_optimizer(opt, "onpolicy_e2e_tv", 0.3)
+    assert scaled.lr == pytest.approx(0.3 * opt.lr) and scaled.warmup_steps == opt.warmup_steps
+    arms = ["init", *grid.OBJECTIVES]
+    by_scale = {0.1: {"0": [2.0, 3.0, 2.1, 2.2, 2.3], "1": [2.2, 3.3, 2.0, 2.4, 2.2]},
+                1.0: {"0": [2.0, 3.0, 2.5, 2.0, 2.6], "1": [2.2, 3.3, 2.6, 2.1, 2.5]},
+                3.0: {"0": [2.0, 3.0, 1.5, 1.6, 1.7], "1": [2.2, 3.3, 1.4, 1.5, 1.6]}}
+    settings = {"target": "tiny", "seeds": [0, 1], "warm_steps": 1, "steps": 4, "rounds": 2, "batch_size": 2,
+                "pool": 9, "eval_seqs": 3, "curve_seqs": 2}
+    paths = []
+    for sc, per_seed in by_scale.items():
+        cells = {}
+        for sd, v in per_seed.items():
+            c = _cell(dict(zip(arms, v)), {})
+            c["init_sha"] = f"init{sd}"
+            for arm in grid.OBJECTIVES:  # the CE arm the same in every run; the others per scale
+                c[arm] = {"final_sha": f"{arm}{sd}" + ("" if arm == "offpolicy_ce" else f"@{sc}")}
+            cells[sd] = c
+        cfg = {**settings, "lr_scale": sc, "command": f"grid --lr-scale {sc:g}", "date": "d", "torch": "t",
+               "cpu_count": 2, "families": ["dflash"], "plateau_pct": 1.0}
+        if sc == 1.0:
+            del cfg["lr_scale"]  # a run from before the flag existed counts as 1
+        paths.append(tmp_path / f"lr{sc}.json")
+        paths[-1].write_text(grid.json.dumps({"config": cfg, "cells": {"dflash": cells}, "seconds": 2.0}))
+    sw = grid.lr_sweep([grid.json.loads(p.read_text()) for p in paths])
+    v = sw["families"]["dflash"]
+    assert sw["scales"] == [0.1, 1.0, 3.0] and v["ce_and_init_identical_across_runs"]
+    r = v["arms"]["onpolicy_e2e_tv"][0.1]["over_ce_pct"]["0"]
+    paired = [100 * (2.2 / 3.0 - 1), 100 * (2.4 / 3.3 - 1)]
+    assert (r["median"], r["min"], r["max"]) == pytest.approx((statistics.median(paired), min(paired), max(paired)))
+    assert v["arms"]["offpolicy_e2e_tv"][1.0]["over_init_pct"]["0"]["median"] == pytest.approx(
+        statistics.median([100 * (2.5 / 2.0 - 1), 100 * (2.6 / 2.2 - 1)]))
+    assert v["best_scale_t0"] == {"offpolicy_e2e_tv": 1.0, "onpolicy_e2e_tv": 0.1, "onpolicy_accept_tv": 1.0}
+    assert grid.report(paths, tmp_path / "sweep.png") == 0
+    out = capsys.readouterr().out
+    assert "| on-policy E2E-TV (SpecOPD) | 0.1 (best) | 2.300 [2.200, 2.400] |" in out
+    assert "| off-policy CE | 1 | 3.150 [3.000, 3.300] |" in out and (tmp_path / "sweep.png").exists()
+    d = grid.json.loads(paths[2].read_text())
+    d["cells"]["dflash"]["1"]["offpolicy_ce"]["final_sha"] = "other"
+    assert not grid.lr_sweep([grid.json.loads(paths[0].read_text()), d])["families"]["dflash"][
+        "ce_and_init_identical_across_runs"]
+    d["config"]["steps"] = 8
+    with pytest.raises(ValueError, match="differ only in --lr-scale, not in: steps"):
+        grid.lr_sweep([grid.json.loads(paths[0].read_text()), d])
+    with pytest.raises(ValueError, match="one run per scale"):
+        grid.lr_sweep([grid.json.loads(paths[0].read_text())] * 2)
+    paths[2].write_text(grid.json.dumps(d))
+    assert grid.report(paths, None) == 2 and "not in: steps" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------ acceptance estimate
 @pytest.fixture(scope="module")
 def drafters(hf_target, target):
