@@ -55,6 +55,7 @@ import copy
 import hashlib
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -858,6 +859,10 @@ def lr_sweep(datas: list[dict]) -> dict:
                 arms[arm][sc] = {"acceptance_len": {T: spread(L[T].values()) for T in temps}, "per_seed": L,
                                  "over_ce_pct": {T: paired_gains(L[T], ce[T])["paired"] for T in temps},
                                  "over_init_pct": {T: paired_gains(L[T], init[T])["paired"] for T in temps}}
+                if arm in ON:  # SpecOPD's question at this rate: on-policy over off-policy, the same loss
+                    off = {T: lengths(c, "offpolicy_e2e_tv", T) for T in temps}
+                    arms[arm][sc]["over_offpolicy_e2e_tv_pct"] = {T: paired_gains(L[T], off[T])["paired"]
+                                                                  for T in temps}
         best = {arm: max(arms[arm], key=lambda sc: arms[arm][sc]["acceptance_len"]["0"]["median"]) for arm in tv}
         out["families"][f] = {
             "seeds": seeds, "temps": temps, "ce_and_init_identical_across_runs": same,
@@ -870,6 +875,12 @@ def lr_sweep(datas: list[dict]) -> dict:
 def lr_sweep_markdown(sw: dict) -> str:
     c = sw["config"]
     cmds = " and ".join(f"`{x}`" for x in sw["commands"])
+    templates = set()
+    for cmd in sw["commands"]:  # one command line for all, when they differ only in the scale
+        m = re.search(r"--lr-scale (\S+)", cmd)
+        templates.add(re.sub(rf"(--lr-scale |lr){re.escape(m.group(1))}(?=[\s.]|$)", r"\1S", cmd) if m else cmd)
+    if len(templates) == 1 and len(sw["commands"]) > 1:
+        cmds = f"`{templates.pop()}` for S = {', '.join(f'{x:g}' for x in sw['scales'])}"
     names = {"0": "T = 0", "1": "T = 1", "1s": "T = 1, sampled drafts"}
     lines = [f"Measured with {cmds} on cpu ({c['date']}, torch {c['torch']}, {c['cpu_count']} CPUs shared with other "
              f"jobs, 1 thread, nice; {sw['seconds']:.0f} s of cells). Target builtin:{c['target']}; warm start "
@@ -898,6 +909,15 @@ def lr_sweep_markdown(sw: dict) -> str:
                              + " | ".join(_r(r["acceptance_len"][T]) for T in temps) + " | "
                              + " | ".join(_r(r["over_ce_pct"][T], "{:+.1f}") for T in temps) + " | "
                              + _r(r["over_init_pct"]["0"], "{:+.1f}") + " |")
+        lines += ["", f"{FAMILY_NAMES[f]}: each on-policy objective over off-policy E2E-TV at the same rate "
+                  "(paired, %):", "",
+                  "| on-policy objective | rate (x CE's) | " + " | ".join(names[T] for T in temps) + " |",
+                  "|---|---|" + "---|" * len(temps)]
+        for arm, by_scale in v["arms"].items():
+            for sc, r in by_scale.items():
+                if "over_offpolicy_e2e_tv_pct" in r:
+                    lines.append(f"| {OBJECTIVE_NAMES[arm]} | {sc:g} | " + " | ".join(
+                        _r(r["over_offpolicy_e2e_tv_pct"][T], "{:+.1f}") for T in temps) + " |")
     return "\n".join(lines)
 
 

@@ -122,6 +122,10 @@ def test_lr_sweep_pairs_every_scale_against_the_same_ce_arm(tmp_path, capsys):
     assert (r["median"], r["min"], r["max"]) == pytest.approx((statistics.median(paired), min(paired), max(paired)))
     assert v["arms"]["offpolicy_e2e_tv"][1.0]["over_init_pct"]["0"]["median"] == pytest.approx(
         statistics.median([100 * (2.5 / 2.0 - 1), 100 * (2.6 / 2.2 - 1)]))
+    r = v["arms"]["onpolicy_e2e_tv"][0.1]["over_offpolicy_e2e_tv_pct"]["1"]  # T = 1 is T = 0 - 0.5 here
+    paired = [100 * (1.7 / 1.6 - 1), 100 * (1.9 / 1.5 - 1)]
+    assert (r["median"], r["min"], r["max"]) == pytest.approx((statistics.median(paired), min(paired), max(paired)))
+    assert "over_offpolicy_e2e_tv_pct" not in v["arms"]["offpolicy_e2e_tv"][0.1]
     assert v["best_scale_t0"] == {"offpolicy_e2e_tv": 1.0, "onpolicy_e2e_tv": 0.1, "onpolicy_accept_tv": 1.0}
     assert grid.report(paths, tmp_path / "sweep.png") == 0
     out = capsys.readouterr().out
