@@ -162,19 +162,21 @@ def test_cotrain_e2e_bench(tmp_path):
     every arm ends before step t+1 of any begins, the order rotates), and every summary number
     recomputed here from the per-step raw metrics: speed-ups as ratios of summed times over the
     steps after the warm-up, per-step ratios and their median, acceptance first/last, overhead,
-    per-request counts; the per-family (co-trained vs frozen) keys are the per-arm ones."""
+    per-request counts; the per-family (co-trained vs frozen) keys are the per-arm ones. One plain seed
+    (``--plain-seeds 1``: the second seed's noise band is tested on synthetic arms in
+    test_bench_cotrain_e2e.py, and an arm less here is 20 s less of the suite)."""
     out = tmp_path / "cotrain_e2e.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cotrain_e2e.py"), "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cotrain_e2e.py"), "--quick", "--plain-seeds", "1", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     res = json.loads(out.read_text())
     arms, S = res["arms"], res["summary"]
-    names = ["plain", "plain_seed1", "frozen_dflash", "cotrained_dflash", "ngram"]
+    names = ["plain", "frozen_dflash", "cotrained_dflash", "ngram"]
     assert list(arms) == names and res["steps"] == 2 and res["warmup"] == 1
     # interleaved: step t of every arm before step t+1 of any, one at a time, the order rotated
     runs = sorted((m["time/start"], m["time/end"], step, name) for name in names
                   for step, m in enumerate(arms[name], 1))
-    assert [r[2] for r in runs] == [1] * 5 + [2] * 5
+    assert [r[2] for r in runs] == [1] * 4 + [2] * 4
     assert all(a[1] <= b[0] for a, b in zip(runs, runs[1:]))
     for name in names:
         for m in arms[name]:
@@ -191,7 +193,7 @@ def test_cotrain_e2e_bench(tmp_path):
     def acc(arm, ms):
         return sum(m["spec/acceptance_length"] for m in ms) / len(ms)
 
-    spec_arms = names[2:]
+    spec_arms = names[1:]
     assert set(S["arms"]) == set(spec_arms)
     for name in spec_arms:
         a = S["arms"][name]
