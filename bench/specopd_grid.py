@@ -11,8 +11,8 @@ from the seed and warm-started by ``--warm-steps`` teacher-forced steps of the f
     onpolicy_accept_tv    draft.branches=on_policy,      draft.loss=accept_weighted_tv
 
 through the distill command's own ``train_step``, with the same AdamW at a constant rate after 20
-warm-up steps (``--lr-scale S``: every objective but off-policy CE at S times that rate, CE at it) (a cosine decay would flatten every curve by itself, and the plateau test below
-could not fail), the same sequences at every step - fresh ones: consecutive slices of seeded
+warm-up steps (a cosine decay would flatten every curve by itself, and the plateau test below
+could not fail; ``--lr-scale S``: every objective but off-policy CE at S times that rate), the same sequences at every step - fresh ones: consecutive slices of seeded
 permutations of a training pool of ``--pool`` sequences, ``--steps`` x batch draws in all - and the
 same anchors (a generator seeded by (seed, step), drawn first by both training paths). The arms are
 interleaved round by round: the ``--steps`` are cut into ``--rounds`` rounds, and in every round each
@@ -742,7 +742,8 @@ def run_grid(a) -> int:
     resp = sorted(len(r.response) for r in train_rec)
     print(f"[data] {a.pool} training / {a.eval_seqs} held-out sequences (response median {statistics.median(resp)} "
           f"tokens) in {time.time() - t_start:.1f} s", flush=True)
-    config = {**settings, "families": a.families, "plateau_pct": a.plateau_pct, "k": K, "serve": a.serve, "sampled_drafts": a.sampled_drafts,
+    config = {**settings, "families": a.families, "plateau_pct": a.plateau_pct, "k": K, "serve": a.serve,
+              "sampled_drafts": a.sampled_drafts,
               "command": "python bench/specopd.py --grid" + "".join(" " + x for x in a.argv),
               "torch": torch.__version__, "cpu_count": os.cpu_count(), "threads": 1,
               "date": time.strftime("%Y-%m-%d"), "configs": {f: CONFIGS[(a.target, f)] for f in a.families},
@@ -848,9 +849,10 @@ def lr_sweep(datas: list[dict]) -> dict:
         ref = cells[0][1]
         ce = {T: lengths(ref, "offpolicy_ce", T) for T in temps}
         init = {T: lengths(ref, "init", T) for T in temps}
-        same = all(c[sd][arm]["final_sha"] == ref[sd][arm]["final_sha"] if arm != "init" else
-                   c[sd]["init_sha"] == ref[sd]["init_sha"] for _, c in cells for sd in seeds
-                   for arm in ("init", "offpolicy_ce"))
+        def fixed(cell: dict) -> tuple:  # what must not depend on the scale: the warm start and the CE arm
+            return cell["init_sha"], cell["offpolicy_ce"]["final_sha"]
+
+        same = all(fixed(c[sd]) == fixed(ref[sd]) for _, c in cells for sd in seeds)
         arms = {}
         for arm in tv:
             arms[arm] = {}

@@ -164,9 +164,10 @@ def test_cotrain_e2e_bench(tmp_path):
     steps after the warm-up, per-step ratios and their median, acceptance first/last, overhead,
     per-request counts; the per-family (co-trained vs frozen) keys are the per-arm ones. One plain seed
     (``--plain-seeds 1``: the second seed's noise band is tested on synthetic arms in
-    test_bench_cotrain_e2e.py, and an arm less here is 20 s less of the suite)."""
+    test_bench_cotrain_e2e.py; here it is one arm less to run)."""
     out = tmp_path / "cotrain_e2e.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cotrain_e2e.py"), "--quick", "--plain-seeds", "1", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "cotrain_e2e.py"), "--quick", "--plain-seeds", "1",
+                           "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     res = json.loads(out.read_text())

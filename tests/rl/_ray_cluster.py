@@ -72,13 +72,10 @@ def free_ports(n: int) -> list[int]:
     process that names it."""
     lo, hi = _ephemeral_range()
     pool = [p for p in range(10000, 65536) if not lo <= p <= hi]
-    rng = random.Random(f"{os.getpid()}-{time.monotonic_ns()}")
-    rng.shuffle(pool)
-    socks, ports = [], []
+    random.SystemRandom().shuffle(pool)  # not the module's generator, which a test may have seeded
+    socks = []
     try:
         for port in pool:
-            if len(ports) == n:
-                return ports
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
                 s.bind(("", port))
@@ -86,7 +83,8 @@ def free_ports(n: int) -> list[int]:
                 s.close()
                 continue
             socks.append(s)
-            ports.append(port)
+            if len(socks) == n:
+                return [s.getsockname()[1] for s in socks]
         raise RuntimeError(f"fewer than {n} free ports outside the ephemeral range {lo}-{hi}")
     finally:
         for s in socks:
@@ -165,7 +163,8 @@ def start_cluster(num_cpus: int = 4, timeout: float = 240, attempts: int = 3) ->
     """``ray start --head --block`` on loopback with its own temp dir and free ports; returns once
     the dashboard's job agent runs jobs. A start that fails because another process bound one of its
     ports in between is retried on fresh ports, up to ``attempts`` times."""
-    for attempt in range(1, attempts + 1):
+    attempt = 1
+    while True:
         # short: Ray's unix sockets live under it (a socket path has at most 107 bytes)
         temp_dir = Path(tempfile.mkdtemp(prefix="cotrain-ray-", dir="/tmp"))
         ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS))))
@@ -182,16 +181,13 @@ def start_cluster(num_cpus: int = 4, timeout: float = 240, attempts: int = 3) ->
         try:
             wait_for_job_agent(cluster, timeout)
             return cluster
-        except RuntimeError as e:
+        except BaseException as e:
             cluster.stop()
-            if attempt == attempts or not any(m in str(e) for m in PORT_CLASH):
+            if attempt >= attempts or not (isinstance(e, RuntimeError) and any(m in str(e) for m in PORT_CLASH)):
                 raise
-            print(f"ray start lost a port to another process (attempt {attempt}/{attempts}); retrying on fresh ports",
-                  file=sys.stderr)
-        except BaseException:
-            cluster.stop()
-            raise
-    raise AssertionError("unreachable")
+        print(f"ray start lost a port to another process (attempt {attempt}/{attempts}); retrying on fresh ports",
+              file=sys.stderr)
+        attempt += 1
 
 
 def wait_for_job_agent(cluster: LoopbackCluster, timeout: float) -> None:
