@@ -71,12 +71,13 @@ def prepare(kind, k, hf_target, target, overrides=(), config=None) -> Served:
     return Served(kind, k, run / "drafter", drafter, prompts, records, batch, offline)
 
 
-def start_engine(model_path, served: Served, **kw):
+def start_engine(model_path, served: Served, draft_sample_method: str = "greedy", **kw):
     from cotrain.rl.vllm.engine import make_cotrain_llm
 
-    served.llm = make_cotrain_llm(str(model_path), seed=0,
-                                  speculative_config=served.drafter.speculative_config(str(served.drafter_dir), served.k),
-                                  **kw)
+    spec = served.drafter.speculative_config(str(served.drafter_dir), served.k)
+    if draft_sample_method != "greedy":
+        spec["draft_sample_method"] = draft_sample_method
+    served.llm = make_cotrain_llm(str(model_path), seed=0, speculative_config=spec, **kw)
     return served.llm
 
 
@@ -250,11 +251,13 @@ class _Scaled:
 
 
 def check_temperature_one(served: Served, hf_target, target, n: int = 2000, pooled: bool = False,
-                          min_cell: float = 1e-9, top_k: int = 0, top_p: float = 1.0, tries: int = 1) -> None:
+                          min_cell: float = 1e-9, top_k: int = 0, top_p: float = 1.0, tries: int = 1,
+                          exact_acceptance: str | None = None) -> None:
     """(3) at temperature 1 the first two sampled tokens follow the target's exact distribution
     (= target-only sampling; with ``top_k`` / ``top_p``, the target's filtered distribution): chi-square
     with fixed per-request seeds. Needs cotrain's CPU repair of vLLM's rejection sampler
-    (cotrain.rl.vllm.sampler_fix)."""
+    (cotrain.rl.vllm.sampler_fix). ``exact_acceptance`` ("greedy" / "sampled", no filter): also the
+    rate at which the first round accepts its first draft, against :func:`first_draft_acceptance`."""
     from cotrain.rl.vllm.sampler_fix import cpu_rejection_sampler_fixed
 
     model, tok = hf_target
@@ -280,4 +283,98 @@ def check_temperature_one(served: Served, hf_target, target, n: int = 2000, pool
     hot = first_two_tokens_distribution(_Scaled(hf_target[0], 1.3, top_k, top_p), tok.encode(prompt),
                                         target.eos_token_id, min_cell=min_cell)
     assert chi_square(counts, hot)[2] < 1e-6
-    served.extra["chi2"] = {"stat": stat, "df": df, "p": p, "prompt": prompt, "first_accept_rate": first_accepted / rounds}
+    served.extra["chi2"] = {"stat": stat, "df": df, "p": p, "prompt": prompt, "first_accept_rate": first_accepted / rounds,
+                            "rounds": rounds}
+    if exact_acceptance is not None:  # the first draft accepted as often as the exact probability says
+        exact = first_draft_acceptance(served, hf_target, target, prompt)[exact_acceptance]
+        _close(first_accepted / rounds, exact, rounds, f"first-draft acceptance ({exact_acceptance} drafts)")
+        served.extra["chi2"]["exact_first_accept_rate"] = exact
+
+
+def check_probabilistic_drafts(served: Served, model_path, hf_target, target, n: int = 2000,
+                               engine_kw: dict | None = None, **kw) -> None:
+    """(4) ``draft_sample_method: probabilistic`` (``rollout.speculative.draft_sample_method``):
+    drafts sampled from the drafter, verified with the ratio min(1, p / q). A second engine serving
+    the same drafter that way stays lossless at temperature 1 (check (3), with its power check) -
+    which any proposal would, even one verified as if q were one-hot - and accepts the first draft as
+    often as sampled drafts should (:func:`first_draft_acceptance`), where the greedy-draft engine
+    (``served.llm``), on the same prompt and seeds, accepts it as often as greedy drafts should.
+    ``engine_kw``: the second engine's arguments (as ``served.llm``'s); ``kw``:
+    :func:`check_temperature_one`'s (``pooled``, ``min_cell`` for a large vocabulary)."""
+    prob = Served(served.kind, served.k, served.drafter_dir, served.drafter, served.prompts, served.records,
+                  served.batch, served.offline)
+    start_engine(model_path, prob, draft_sample_method="probabilistic", **(engine_kw or {}))
+    try:
+        assert prob.llm.llm_engine.vllm_config.speculative_config.draft_sample_method == "probabilistic"
+        check_temperature_one(prob, hf_target, target, n=n, exact_acceptance="sampled", **kw)
+        chi2 = prob.extra["chi2"]
+        _, greedy_first, greedy_rounds = sample_first_two(served.llm, chi2["prompt"], n=n)
+        exact = first_draft_acceptance(served, hf_target, target, chi2["prompt"])
+        _close(greedy_first / greedy_rounds, exact["greedy"], greedy_rounds, "first-draft acceptance (greedy drafts)")
+        served.extra["probabilistic"] = {**chi2, "greedy_first_accept_rate": greedy_first / greedy_rounds,
+                                         "exact_greedy_first_accept_rate": exact["greedy"]}
+    finally:
+        stop_engine(prob)
+
+
+_EXACT: dict = {}  # (drafter export, prompt, mass) -> first_draft_acceptance
+
+
+def first_draft_acceptance(served: Served, hf_target, target, prompt: str, mass: float = 1 - 1e-3,
+                           chunk: int = 128) -> dict:
+    """The exact probability that the first verification round of a temperature-1 request for
+    ``prompt`` accepts its first draft (an independent reference for vLLM's counts):
+
+        greedy drafts:   sum_t P(t) p_t(argmax q_t) / sum_t P(t)
+        sampled drafts:  sum_t P(t) sum_v min(p_t(v), q_t(v)) / sum_t P(t)
+
+    over the first tokens t != EOS (an EOS ends the request before any round; the most probable ones
+    up to ``mass`` of P, the rest, at most 1 - ``mass``, left out), P the target's first token
+    distribution, p_t the target's and q_t the drafter's distributions of the token after
+    prompt + t (draft 1 of the round whose bonus token is t). Sampled drafts y ~ q_t are accepted with
+    probability min(1, p_t(y) / q_t(y)), whose mean over y is sum_v min(p_t, q_t)."""
+    from cotrain.draft.dflash import BlockDrafter
+    from cotrain.draft.distill import Record, records_to_batch
+    from cotrain.draft.specopd import sample_branches
+
+    key = (str(served.drafter_dir), prompt, mass)
+    if key in _EXACT:  # greedy and sampled come together: the two checks of a prompt share one computation
+        return _EXACT[key]
+    model, tok = hf_target
+    ids = tok.encode(prompt)
+    eos = target.eos_token_id
+    with torch.no_grad():
+        p1 = model(input_ids=torch.tensor([ids])).logits[0, -1].float().softmax(-1).double()
+        order = torch.argsort(p1, descending=True)
+        n = int(torch.searchsorted(torch.cumsum(p1[order], 0), torch.tensor(mass, dtype=p1.dtype))) + 1
+        firsts = [t for t in order[:n].tolist() if t != eos]
+        drafter = served.drafter.eval()
+        greedy, sampled = [], []
+        for c in range(0, len(firsts), chunk):
+            ts = firsts[c:c + chunk]
+            # prompt + t + filler: the filler only makes room for the round's drafts (it changes neither p_t nor q_t)
+            batch = records_to_batch([Record(ids, [t] * (served.k + 2), []) for t in ts], model, drafter.tap_layers)
+            bonus_at = batch.cu_seqlens[:-1] + len(ids)  # packed position of t in each sequence
+            # a block drafter's branch at t only; EAGLE-3 runs its passes at every chain anchor
+            layout = (drafter.build_layout(batch, anchors=bonus_at) if isinstance(drafter, BlockDrafter)
+                      else drafter.build_layout(batch))
+            br = sample_branches(drafter, batch, layout, temperature=0.0)
+            row = {b: i for i, b in enumerate(br.bonus_pos.tolist())}
+            q = br.logits[torch.tensor([row[b] for b in bonus_at.tolist()]), 0].double().softmax(-1)
+            if br.vocab is not None:  # draft vocabulary -> target ids
+                q = torch.zeros(q.shape[0], p1.numel(), dtype=q.dtype).index_copy_(
+                    1, br.vocab.to_target(torch.arange(q.shape[1])), q)
+            p = batch.target_logits[bonus_at].double().softmax(-1)
+            greedy.append(p.gather(1, q.argmax(-1, keepdim=True))[:, 0])
+            sampled.append(torch.minimum(p, q).sum(-1))
+    w = p1[firsts]
+    greedy, sampled = torch.cat(greedy), torch.cat(sampled)
+    _EXACT[key] = {"greedy": float((w * greedy).sum() / w.sum()), "sampled": float((w * sampled).sum() / w.sum()),
+                   "rounds_share": float(w.sum())}
+    return _EXACT[key]
+
+
+def _close(measured: float, exact: float, rounds: int, what: str) -> None:
+    """``measured`` (a rate over ``rounds`` independent rounds) within 4.5 standard errors (+0.005)."""
+    tol = 4.5 * (exact * (1 - exact) / rounds) ** 0.5 + 0.005
+    assert abs(measured - exact) <= tol, f"{what}: vLLM {measured:.4f} vs exact {exact:.4f} (tolerance {tol:.4f})"

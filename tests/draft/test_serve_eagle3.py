@@ -31,7 +31,7 @@ def test_runtime_draft_push_changes_acceptance_not_outputs(served, target):
 
 
 def test_temperature_one_sampling_matches_the_target(served, hf_target, target):
-    S.check_temperature_one(served, hf_target, target)
+    S.check_temperature_one(served, hf_target, target, exact_acceptance="greedy")
 
 
 @pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (0, 0.8)])
@@ -40,3 +40,10 @@ def test_top_k_top_p_sampling_with_speculation_matches_the_filtered_target(serve
     (vLLM's CPU top-k on an empty batch; cotrain.rl.vllm.sampler_fix) and stays lossless for the
     target's filtered distribution."""
     S.check_temperature_one(served, hf_target, target, top_k=top_k, top_p=top_p, tries=4)
+
+
+def test_probabilistic_draft_sampling_matches_the_target(served, tiny_model_path, hf_target, target):
+    """``rollout.speculative.draft_sample_method: probabilistic``: drafts sampled from the drafter and
+    verified with min(1, p / q) stay lossless, and the first draft is accepted as often as the exact
+    sum_v min(p, q) says (greedy drafts: p(argmax q))."""
+    S.check_probabilistic_drafts(served, tiny_model_path, hf_target, target)
