@@ -184,6 +184,11 @@ def summarize(data: dict) -> dict:
                                    for arm in arms},
                     "gains_pct": {arm: {b: paired_gains(per[arm], per[b]) for b in ("offpolicy_ce", "init")}
                                   for arm in OBJECTIVES if arm != "offpolicy_ce"}}
+            tw = out[fam]["t1_walk"]
+            if "greedy" in tw and "sampled" in tw:  # each drafter's sampled drafts against CE's greedy ones
+                ce = tw["greedy"]["acceptance"]["offpolicy_ce"]["per_seed"]
+                tw["sampled_over_ce_greedy_pct"] = {arm: paired_gains(tw["sampled"]["acceptance"][arm]["per_seed"], ce)
+                                                    for arm in arms}
         served = [sd for sd in seeds if "served" in by_seed[sd]]
         if served:  # --serve: vLLM's greedy acceptance beside the offline walk, drafter by drafter
             out[fam]["served"] = {
@@ -256,23 +261,21 @@ def branch_acceptance(drafter, model, batch, eos_token_id: int, k: int = K, walk
             py = p.gather(-1, y[..., None])[..., 0].double()
             b = br.bonus_pos
             keep = _serving_bonus(sub, eos_token_id)[b]
+            to_eos_b = _to_eos(sub, eos_token_id)[b]
+            gpos = (b[keep] + int(batch.cu_seqlens[s0])).tolist()  # the kept bonus positions in ``batch``
             s0_ = torch.cumprod(hit[keep].to(torch.int64), 1)
             surv0.append(s0_.double())
             surv1.append(torch.cumprod(py[keep], 1))
             if sampled_drafts:
                 surv1s.append(_sampled_survival(drafter, model, sub, layout, k, s0)[keep])
             if t1_walk:
-                g, sm = _response_survival(drafter, sub, layout, br, py, _to_eos(sub, eos_token_id)[b], k,
-                                           sampled_drafts)
-                for pos, row in zip((b[keep] + int(batch.cu_seqlens[s0])).tolist(), g[keep].tolist()):
-                    walk1[pos] = row
+                g, sm = _response_survival(drafter, sub, layout, br, py, to_eos_b, k, sampled_drafts)
+                walk1.update(zip(gpos, g[keep].tolist()))
                 if sm is not None:
-                    for pos, row in zip((b[keep] + int(batch.cu_seqlens[s0])).tolist(), sm[keep].tolist()):
-                        walk1s[pos] = row
-            rem = _to_eos(sub, eos_token_id)[b[keep]]
+                    walk1s.update(zip(gpos, sm[keep].tolist()))
+            rem = to_eos_b[keep]
             upto.append(torch.arange(1, k + 1)[None] <= rem[:, None])  # draft j lies at or before the EOS
-            for pos, L, r in zip((b[keep] + int(batch.cu_seqlens[s0])).tolist(), (1 + s0_.sum(1)).tolist(),
-                                 rem.tolist()):
+            for pos, L, r in zip(gpos, (1 + s0_.sum(1)).tolist(), rem.tolist()):
                 accept_at[pos] = L
                 to_eos[pos] = r
     finally:
@@ -340,7 +343,8 @@ def _response_survival(drafter, sub, layout, br, py: torch.Tensor, rem: torch.Te
     W = br.tokens.shape[1]
     end = sub.seq_end()[bpos]
     at = bpos[:, None] + 1 + torch.arange(W)[None]  # (NB, W): position of draft i's response token
-    inside = (at < end[:, None])[:, :k]
+    in_seq = at < end[:, None]
+    inside = in_seq[:, :k]
     x = sub.input_ids[at.clamp(max=sub.num_tokens - 1)]
     sampled_part = torch.arange(1, k + 1)[None] <= rem[:, None]  # draft i lies at or before the EOS
     xk = x[:, :k]
@@ -348,11 +352,10 @@ def _response_survival(drafter, sub, layout, br, py: torch.Tensor, rem: torch.Te
     greedy = torch.cumprod(torch.where(inside, greedy, torch.zeros_like(greedy)), 1)
     if not sampled:
         return greedy, None
-    tf = sample_branches(drafter, sub, layout, tokens=torch.where(at < end[:, None], x, torch.zeros_like(x)))
+    tf = sample_branches(drafter, sub, layout, tokens=torch.where(in_seq, x, torch.zeros_like(x)))
     q = torch.softmax(tf.logits[:, :k].float(), dim=-1).double()
     if tf.vocab is not None:  # draft vocabulary -> target ids (zero outside it)
-        q = torch.zeros(*q.shape[:2], sub.target_logits.shape[-1], dtype=q.dtype).index_copy_(
-            2, tf.vocab.to_target(torch.arange(q.shape[-1])), q)
+        q = tf.vocab.spread(q)
     rows = (at[:, :k] - 1).clamp(max=sub.num_tokens - 1)  # target row r = the distribution of token r + 1
     p = torch.softmax(sub.target_logits[rows].float(), dim=-1).double()
     qx, px = q.gather(-1, xk[..., None])[..., 0], p.gather(-1, xk[..., None])[..., 0]
@@ -419,8 +422,8 @@ def served_acceptance(drafters: dict, target_path, prompts: list[str], reference
     1 ("1": ``t1_samples`` seeded samples per prompt, greedy drafts, vLLM's default); with
     ``sampled_drafts`` also "1s": the same requests on a second engine with
     ``draft_sample_method="probabilistic"`` (drafts sampled from the drafter, verified with
-    min(1, p / q)). vLLM's T = 1 numbers are walks over its own samples' rounds, the offline ones
-    expectations per position on other samples: the two agree in ranking, not to the digit."""
+    min(1, p / q)). vLLM's T = 1 numbers are walks over its own samples' rounds; the offline walk
+    ("1w", "1sw") is their expectation, computed on other samples."""
     import tempfile
 
     from bench.specopd import acceptance_from_rounds, vllm_rounds
@@ -614,6 +617,10 @@ def run_cell(family: str, seed: int, cfg, warm_cfg, tspec, model, train, evals, 
 
 
 # ------------------------------------------------------------------------------ report
+def _label(arm: str) -> str:
+    return "warm start (common init)" if arm == "init" else OBJECTIVE_NAMES[arm]
+
+
 def _r(x: dict, fmt: str = "{:.3f}") -> str:
     return f"{fmt.format(x['median'])} [{fmt.format(x['min'])}, {fmt.format(x['max'])}]"
 
@@ -648,7 +655,7 @@ def markdown(data: dict) -> str:
                 gains = [v["last_quarter_gain_pct"] for v in sf["plateau"][arm].values()]
                 pq = _r(spread(gains), "{:+.1f}")
                 pl = f"{sum(v['plateaued'] for v in sf['plateau'][arm].values())}/{len(gains)}"
-            label = "warm start (common init)" if arm == "init" else OBJECTIVE_NAMES[arm]
+            label = _label(arm)
             lines.append(f"| {FAMILY_NAMES[f]} | {label} | {len(sf['seeds'])} | {_r(a0['acceptance_len'])} | "
                          f"{_r(a1['acceptance_len'])} | {_r(a0['to_eos_len'])} | {_r(a1['to_eos_len'])} | {pq} | {pl} |")
     lines += ["", "Paired gain of each on-policy objective in acceptance length (%), per seed (same init, anchors "
@@ -671,7 +678,7 @@ def markdown(data: dict) -> str:
         for f in sampled:
             sd = s[f]["sampled_drafts"]
             for arm, v in sd["acceptance"].items():
-                label = "warm start (common init)" if arm == "init" else OBJECTIVE_NAMES[arm]
+                label = _label(arm)
                 g = sd["gains_pct"].get(arm, {})
                 gains = " | ".join(_r(g[b]["paired"], "{:+.1f}") if b in g else "-" for b in ("offpolicy_ce", "init"))
                 lines.append(f"| {FAMILY_NAMES[f]} | {label} | {len(sd['seeds'])} | {_r(v['acceptance_len'])} | "
@@ -687,16 +694,13 @@ def markdown(data: dict) -> str:
         for f in walked:
             w = s[f]["t1_walk"]
             for arm in ["init", *OBJECTIVES]:
-                label = "warm start (common init)" if arm == "init" else OBJECTIVE_NAMES[arm]
+                label = _label(arm)
                 cols = [_r(w[dr]["acceptance"][arm]["acceptance_len"]) if dr in w else "-" for dr in ("greedy", "sampled")]
                 for dr in ("greedy", "sampled"):
                     g = w.get(dr, {}).get("gains_pct", {}).get(arm)
                     cols.append(_r(g["offpolicy_ce"]["paired"], "{:+.1f}") if g else "-")
-                if "sampled" in w and "greedy" in w:
-                    ce = w["greedy"]["acceptance"]["offpolicy_ce"]["per_seed"]
-                    cols.append(_r(paired_gains(w["sampled"]["acceptance"][arm]["per_seed"], ce)["paired"], "{:+.1f}"))
-                else:
-                    cols.append("-")
+                g = w.get("sampled_over_ce_greedy_pct", {}).get(arm)
+                cols.append(_r(g["paired"], "{:+.1f}") if g else "-")
                 lines.append(f"| {FAMILY_NAMES[f]} | {label} | {len(w['seeds'])} | " + " | ".join(cols) + " |")
     served = [f for f in fams if "served" in s[f]]
     if served:
@@ -708,7 +712,7 @@ def markdown(data: dict) -> str:
         for f in served:
             sv = s[f]["served"]
             for arm, v in sv["per_arm"].items():
-                label = "warm start (common init)" if arm == "init" else OBJECTIVE_NAMES[arm]
+                label = _label(arm)
                 lines.append(f"| {FAMILY_NAMES[f]} | {label} | {len(sv['seeds'])} | {_r(v['vllm'])} | "
                              f"{_r(v['offline'])} | {v['max_abs_diff']:.2e} | "
                              f"{'yes' if sv['greedy_identical_to_target'] else 'no'} |")
@@ -724,7 +728,7 @@ def markdown(data: dict) -> str:
         for f, key in t1:
             st = s[f]["served"][key]
             for arm, v in st["per_arm"].items():
-                label = "warm start (common init)" if arm == "init" else OBJECTIVE_NAMES[arm]
+                label = _label(arm)
                 g = st["gains_pct"].get(arm)
                 gains = (f"{_r(g['vllm']['paired'], '{:+.1f}')} | {_r(g['offline']['paired'], '{:+.1f}')}"
                          if g else "- | -")

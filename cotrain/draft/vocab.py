@@ -135,6 +135,15 @@ class DraftVocab:
         idx = self.draft_index.to(target_ids.device)
         return torch.where(target_ids >= 0, idx[target_ids.clamp(min=0)], torch.full_like(target_ids, -1))
 
+    def spread(self, q: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary distributions ``q`` (..., draft size) over the target's ids (..., V): column
+        ``to_target(i)`` holds q[..., i], every other target token 0 (what vLLM's EAGLE-3 head does with
+        d2t before a probabilistic draft's ratio test)."""
+        if q.shape[-1] != self.size:
+            raise ValueError(f"distributions have {q.shape[-1]} columns, the draft vocabulary has {self.size}")
+        out = q.new_zeros(*q.shape[:-1], self.vocab_size)
+        return out.index_copy_(-1, self.target_ids.to(q.device), q)
+
     def contains(self, target_ids: torch.Tensor) -> torch.Tensor:
         return self.t2d.to(target_ids.device)[target_ids]
 

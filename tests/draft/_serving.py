@@ -362,8 +362,7 @@ def first_draft_acceptance(served: Served, hf_target, target, prompt: str, mass:
             row = {b: i for i, b in enumerate(br.bonus_pos.tolist())}
             q = br.logits[torch.tensor([row[b] for b in bonus_at.tolist()]), 0].double().softmax(-1)
             if br.vocab is not None:  # draft vocabulary -> target ids
-                q = torch.zeros(q.shape[0], p1.numel(), dtype=q.dtype).index_copy_(
-                    1, br.vocab.to_target(torch.arange(q.shape[1])), q)
+                q = br.vocab.spread(q)
             p = batch.target_logits[bonus_at].double().softmax(-1)
             greedy.append(p.gather(1, q.argmax(-1, keepdim=True))[:, 0])
             sampled.append(torch.minimum(p, q).sum(-1))

@@ -41,6 +41,13 @@ def test_mapping_from_counts_in_vllm_and_specforge_formats():
         DraftVocab.from_d2t(torch.tensor([0.0, 1.0]), 10)
     with pytest.raises(ValueError, match="not in 1..10"):
         DraftVocab.from_counts(counts, 11)
+    # spread: draft-vocabulary distributions over the target's ids, by hand; restrict undoes it
+    q = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.0, 0.5, 0.0, 0.5]])
+    assert torch.equal(v.spread(q), torch.tensor([[0, 0.1, 0.2, 0.3, 0, 0.4, 0, 0, 0, 0],
+                                                  [0, 0.0, 0.5, 0.0, 0, 0.5, 0, 0, 0, 0]]))
+    assert torch.equal(v.restrict(v.spread(q)).p, q)
+    with pytest.raises(ValueError, match="draft vocabulary has 4"):
+        v.spread(torch.ones(2, 5))
 
 
 def test_head_rows_follow_their_tokens():
