@@ -278,6 +278,8 @@ def check_temperature_one(served: Served, hf_target, target, n: int = 2000, pool
         candidates.remove(prompt)
     assert rounds > 0.75 * n and min(first_accepted, rounds - first_accepted) >= 20, (first_accepted, rounds)
     stat, df, p = chi_square(counts, exact)
+    print(f"temperature 1, first two tokens: chi-square {stat:.1f}, {df} degrees of freedom, p = {p:.2f} "
+          f"({n} samples); first draft accepted in {first_accepted}/{rounds} rounds")
     assert p > 1e-3, (stat, df, p, prompt)
     # power: the same counts against the target at temperature 1.3 are rejected
     hot = first_two_tokens_distribution(_Scaled(hf_target[0], 1.3, top_k, top_p), tok.encode(prompt),
@@ -376,4 +378,5 @@ def first_draft_acceptance(served: Served, hf_target, target, prompt: str, mass:
 def _close(measured: float, exact: float, rounds: int, what: str) -> None:
     """``measured`` (a rate over ``rounds`` independent rounds) within 4.5 standard errors (+0.005)."""
     tol = 4.5 * (exact * (1 - exact) / rounds) ** 0.5 + 0.005
+    print(f"{what}: vLLM {measured:.3f} over {rounds} rounds, exact {exact:.3f}")  # the docs' numbers (pytest -s)
     assert abs(measured - exact) <= tol, f"{what}: vLLM {measured:.4f} vs exact {exact:.4f} (tolerance {tol:.4f})"
