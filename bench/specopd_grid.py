@@ -53,7 +53,9 @@ the quarter before (means of the curve points, :func:`plateau`).
 
 Outputs: ``bench/results/specopd-<target>.json``, rewritten after every (family, seed) cell, so a run
 that is cut off keeps its finished cells and a rerun with the same settings resumes at the first
-missing one; ``--report`` prints the tables and draws ``docs/img/specopd-<target>.png``.
+missing one; ``--report`` prints the tables and draws ``docs/img/specopd-<target>.png``; ``--report A.json
+B.json ...`` merges runs of the same settings run side by side - other families, seeds or objectives
+(:func:`merge`) - or reports an ``--lr-scale`` sweep (:func:`lr_sweep`).
 """
 
 from __future__ import annotations
