@@ -671,14 +671,15 @@ def markdown(data: dict) -> str:
             label = _label(arm)
             lines.append(f"| {FAMILY_NAMES[f]} | {label} | {len(sf['seeds'])} | {_r(a0['acceptance_len'])} | "
                          f"{_r(a1['acceptance_len'])} | {_r(a0['to_eos_len'])} | {_r(a1['to_eos_len'])} | {pq} | {pl} |")
-    if any(o in objs for o in ON):
+    on_, off_ = [o for o in ON if o in objs], [o for o in OFF if o in objs]
+    if on_:
         lines += ["", "Paired gain of each on-policy objective in acceptance length (%), per seed (same init, anchors "
                   "and batches) median [min, max]:", "",
                   "| family | on-policy objective | over | T = 0 | T = 1 | drafts to EOS only, T = 0 | T = 1 |",
                   "|---|---|---|---|---|---|---|"]
     for f in fams:
-        for on in [o for o in ON if o in objs]:
-            for b in [o for o in OFF if o in objs]:
+        for on in on_:
+            for b in off_:
                 g = [s[f][key][T][on][b]["paired"] for key in ("gains_pct", "gains_to_eos_pct") for T in TEMPS]
                 lines.append(f"| {FAMILY_NAMES[f]} | {OBJECTIVE_NAMES[on]} | {OBJECTIVE_NAMES[b]} | "
                              + " | ".join(_r(x, '{:+.1f}') for x in g) + " |")
@@ -769,6 +770,7 @@ def plot(data: dict, path: Path):
     import matplotlib.pyplot as plt
 
     s = data["summary"]
+    objs = objectives_of(data)
     fams = [f for f in FAMILIES if f in s]
     if not fams:
         return None
@@ -777,7 +779,7 @@ def plot(data: dict, path: Path):
         ax = axes[0][i]
         cells = data["cells"][f]
         for j, arm in enumerate(OBJECTIVES):
-            if arm not in objectives_of(data):
+            if arm not in objs:
                 continue
             for sd, cell in cells.items():
                 ax.plot(cell["curve_steps"], cell["curve"][arm], "-o", ms=2, color=f"C{j}", alpha=0.7,
@@ -788,7 +790,7 @@ def plot(data: dict, path: Path):
         ax.legend(fontsize=7)
         ax = axes[1][i]
         for j, arm in enumerate(["init", *OBJECTIVES]):
-            if arm != "init" and arm not in objectives_of(data):
+            if arm != "init" and arm not in objs:
                 continue
             for T, style in (("0", "-"), ("1", "--")):
                 sv = s[f]["acceptance"][T][arm]["survival"]
@@ -855,7 +857,7 @@ def grid_defaults(a):
     if bad or not fams:
         raise ValueError(f"--families {a.families!r}: choose among {', '.join(FAMILIES)}")
     a.families = fams
-    objs = [o for o in a.objectives.split(",") if o] if isinstance(a.objectives, str) else list(a.objectives)
+    objs = [o for o in a.objectives.split(",") if o]
     bad = [o for o in objs if o not in OBJECTIVES]
     if bad or "offpolicy_ce" not in objs or len(set(objs)) != len(objs):
         raise ValueError(f"--objectives {a.objectives!r}: distinct names among {', '.join(OBJECTIVES)}, "
@@ -1013,10 +1015,12 @@ def _join_cell(f: str, sd: str, a: dict, a_objs: list, b: dict, b_objs: list) ->
         raise ValueError(f"{f} seed {sd}: the runs measured different things (--sampled-drafts, --serve, "
                          "--serve-t1-samples)")
     out = {**a, "curve": dict(a["curve"]), "eval": dict(a["eval"]), "seconds": a["seconds"] + b["seconds"]}
+    if "served" in a:
+        out["served"] = dict(a["served"])
     for o in new:
         out[o], out["curve"][o], out["eval"][o] = b[o], b["curve"][o], b["eval"][o]
         if "served" in a:
-            out["served"] = {**out.get("served", a["served"]), o: b["served"][o]}
+            out["served"][o] = b["served"][o]
     return out
 
 
