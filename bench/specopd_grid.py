@@ -246,8 +246,6 @@ def branch_acceptance(drafter, model, batch, eos_token_id: int, k: int = K, walk
     (:func:`cotrain.draft.acceptance.expected_walk`; what vLLM measures)."""
     from cotrain.draft.acceptance import _walk, expected_walk
     from cotrain.draft.common import select_sequences
-    from cotrain.draft.dflash import BlockDrafter
-    from cotrain.draft.specopd import branch_target_probs, sample_branches, tree_target_logits
 
     was = drafter.training
     drafter.eval()
@@ -260,13 +258,8 @@ def branch_acceptance(drafter, model, batch, eos_token_id: int, k: int = K, walk
         for s0 in range(0, batch.num_seqs, seqs_per_chunk):
             seqs = torch.arange(s0, min(s0 + seqs_per_chunk, batch.num_seqs))
             sub = select_sequences(batch, seqs)
-            layout = (drafter.build_layout(sub, all_anchors=True) if isinstance(drafter, BlockDrafter)
-                      else drafter.build_layout(sub))
-            br = sample_branches(drafter, sub, layout, temperature=0.0)
-            scores = tree_target_logits(model, sub.input_ids, sub.cu_seqlens, br)
-            p = branch_target_probs(scores, br)  # (NB, W, V) at temperature 1
+            layout, br, p = greedy_branches(drafter, model, sub, k)
             y = br.tokens[:, :k]
-            p = p[:, :k]
             hit = y == p.argmax(-1)
             py = p.gather(-1, y[..., None])[..., 0].double()
             b = br.bonus_pos
@@ -311,6 +304,22 @@ def branch_acceptance(drafter, model, batch, eos_token_id: int, k: int = K, walk
                                 "survival": [sum(hist[j:]) / rounds for j in range(1, k + 1)],
                                 "to_eos_len": 1.0 + _walk_to_eos(batch, accept_at, to_eos, eos_token_id, k) / rounds}
     return per_position
+
+
+def greedy_branches(drafter, model, sub, k: int = K):
+    """The greedy drafts at every response position of ``sub`` and the target's distributions along
+    them: (layout, br, p), ``br`` the branches (:func:`cotrain.draft.specopd.sample_branches` at
+    temperature 0; ``br.bonus_pos`` each round's bonus position, ``br.tokens[:, :k]`` its drafts) and
+    ``p`` (NB, k, V) the target's temperature-1 distribution of draft j after context + y_{<j}, from
+    one tree-masked forward."""
+    from cotrain.draft.dflash import BlockDrafter
+    from cotrain.draft.specopd import branch_target_probs, sample_branches, tree_target_logits
+
+    layout = (drafter.build_layout(sub, all_anchors=True) if isinstance(drafter, BlockDrafter)
+              else drafter.build_layout(sub))
+    br = sample_branches(drafter, sub, layout, temperature=0.0)
+    p = branch_target_probs(tree_target_logits(model, sub.input_ids, sub.cu_seqlens, br), br)
+    return layout, br, p[:, :k]
 
 
 def _sampled_survival(drafter, model, sub, layout, k: int, seed: int) -> torch.Tensor:
@@ -491,6 +500,23 @@ def state_hash(module) -> str:
     return h.hexdigest()[:16]
 
 
+def save_drafters(drafters: dict, out_dir: Path, family: str, seed: int) -> dict:
+    """``--save-drafters``: each drafter's state dict (the warm start as "init", every arm's final
+    weights) in ``out_dir/{family}-seed{seed}-{arm}.pt``, written atomically (temporary file, then
+    rename), so that a later session can measure them again without retraining (a 10,240-step arm
+    is most of an hour). Returns {arm: {"file", "sha"}}: the file's name and :func:`state_hash`,
+    which a loader checks against the cell's hashes."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    saved = {}
+    for arm, d in drafters.items():
+        path = out_dir / f"{family}-seed{seed}-{arm}.pt"
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save({name: t.detach().clone() for name, t in d.state_dict().items()}, tmp)
+        os.replace(tmp, path)
+        saved[arm] = {"file": path.name, "sha": state_hash(d)}
+    return saved
+
+
 def step_generator(seed: int, step: int) -> torch.Generator:
     """Anchors and branch draws of one step: the same anchors for every arm."""
     return torch.Generator().manual_seed(1_000_003 * (seed + 1) + step)
@@ -616,6 +642,9 @@ def run_cell(family: str, seed: int, cfg, warm_cfg, tspec, model, train, evals, 
     rec["eval"] = {"init": evaluate(d0, model, evals, eos, a.sampled_drafts)}
     for name, arm in arms.items():
         rec["eval"][name] = evaluate(arm.d, model, evals, eos, a.sampled_drafts)
+    if a.save_drafters is not None:
+        rec["saved"] = save_drafters({"init": d0, **{n: arm.d for n, arm in arms.items()}}, a.save_drafters,
+                                     family, seed)
     if serve is not None:
         t1 = time.time()
         rec["served"] = served_acceptance({"init": d0, **{n: arm.d for n, arm in arms.items()}}, **serve)
@@ -840,6 +869,9 @@ def parse_args(argv):
     ap.add_argument("--objectives", default=",".join(OBJECTIVES),
                     help="comma-separated subset of " + ", ".join(OBJECTIVES) + " (off-policy CE, the reference of "
                          "every gain, always among them): e.g. the off-policy arms alone at a long budget")
+    ap.add_argument("--save-drafters", type=Path, default=None, metavar="DIR",
+                    help="write the warm start and every arm's final drafter to DIR/{family}-seed{seed}-{arm}.pt "
+                         "(their hashes in the JSON's cell, \"saved\")")
     ap.add_argument("--plateau-pct", type=float, default=1.0,
                     help="plateau: the last quarter of the steps gained less than this (%%)")
     a = ap.parse_args(argv)
@@ -873,6 +905,8 @@ def grid_defaults(a):
         a.serve_t1_samples = 4 if a.serve else 0
     if a.serve_t1_samples < 0:
         raise ValueError(f"--serve-t1-samples {a.serve_t1_samples}: must be >= 0")
+    if a.save_drafters is not None and a.save_drafters.exists() and not a.save_drafters.is_dir():
+        raise ValueError(f"--save-drafters {a.save_drafters}: exists and is not a directory")
     if a.pool < a.batch_size:
         raise ValueError(f"--pool {a.pool}: smaller than one batch ({a.batch_size})")
     if a.out is None:
@@ -1017,6 +1051,8 @@ def _join_cell(f: str, sd: str, a: dict, a_objs: list, b: dict, b_objs: list) ->
     out = {**a, "curve": dict(a["curve"]), "eval": dict(a["eval"]), "seconds": a["seconds"] + b["seconds"]}
     if "served" in a:
         out["served"] = dict(a["served"])
+    if "saved" in a or "saved" in b:  # --save-drafters: the files of either run, each drafter once
+        out["saved"] = {**b.get("saved", {}), **a.get("saved", {})}
     for o in new:
         out[o], out["curve"][o], out["eval"][o] = b[o], b["curve"][o], b["eval"][o]
         if "served" in a:

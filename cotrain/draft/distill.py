@@ -101,24 +101,32 @@ def generate_records(model, tokenizer, prompts: list[str], max_new_tokens: int, 
             e = ids.index(eos) + 1 if eos in ids[:max_new_tokens] else max_new_tokens
             response = ids[:e]
             records.append(Record(tokenizer.encode(prompt), response, ids[e : e + tail_tokens]))
-    if temperature > 0 and tail_tokens > 0:  # greedy tails after sampled responses, batched (left-padded)
-        for r in records:
-            r.tail = []
-        ended = [r for r in records if r.response and r.response[-1] == eos]
-        for i in range(0, len(ended), batch_size):
-            chunk = ended[i : i + batch_size]
-            seqs = [r.prompt + r.response for r in chunk]
-            width = max(len(x) for x in seqs)
-            ids = torch.full((len(seqs), width), pad, dtype=torch.int64)
-            mask = torch.zeros(len(seqs), width, dtype=torch.int64)
-            for j, x in enumerate(seqs):
-                ids[j, width - len(x):] = torch.tensor(x)
-                mask[j, width - len(x):] = 1
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tail_tokens, do_sample=False,
-                                 eos_token_id=None, pad_token_id=pad)
-            for j, r in enumerate(chunk):
-                r.tail = out[j, width:].tolist()
+    if temperature > 0 and tail_tokens > 0:
+        greedy_tails(model, records, tail_tokens, eos, pad, batch_size)
     return records
+
+
+@torch.no_grad()
+def greedy_tails(model, records: list[Record], tail_tokens: int, eos: int, pad: int, batch_size: int = 256) -> None:
+    """Set each record's ``tail`` to ``tail_tokens`` of the target's greedy continuation after its
+    response's EOS (none where the response has no EOS), batched and left-padded: the tokens a
+    drafter's drafts past the EOS are compared with (sampled responses, or vLLM's)."""
+    for r in records:
+        r.tail = []
+    ended = [r for r in records if r.response and r.response[-1] == eos]
+    for i in range(0, len(ended), batch_size):
+        chunk = ended[i : i + batch_size]
+        seqs = [r.prompt + r.response for r in chunk]
+        width = max(len(x) for x in seqs)
+        ids = torch.full((len(seqs), width), pad, dtype=torch.int64)
+        mask = torch.zeros(len(seqs), width, dtype=torch.int64)
+        for j, x in enumerate(seqs):
+            ids[j, width - len(x):] = torch.tensor(x)
+            mask[j, width - len(x):] = 1
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tail_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=pad)
+        for j, r in enumerate(chunk):
+            r.tail = out[j, width:].tolist()
 
 
 def records_to_batch(records: list[Record], model, tap_layers: list[int]) -> DraftBatch:

@@ -144,6 +144,13 @@ def test_lr_sweep_pairs_every_scale_against_the_same_ce_arm(tmp_path, capsys):
     assert grid.report(paths, None) == 2 and "not in: steps" in capsys.readouterr().err
 
 
+def test_save_drafters_refuses_a_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="--save-drafters .*not a directory"):
+        grid.parse_args(["--grid", "--quick", "--save-drafters", str(tmp_path / "f")])
+    assert grid.parse_args(["--grid", "--quick", "--save-drafters", str(tmp_path / "d")]).save_drafters == tmp_path / "d"
+
+
 def test_objectives_flag_orders_a_subset_and_refuses_what_pairs_with_nothing():
     base = ["--grid", "--quick"]
     assert grid.parse_args(base).objectives == list(grid.OBJECTIVES)
@@ -336,10 +343,26 @@ def test_quick_grid_same_budget_interleaved_and_recomputed(tmp_path):
     # own optimizer, batches and anchors), so a long off-policy budget pairs with the four-arm grid
     sub_out = tmp_path / "off.json"
     sub = subprocess.run([sys.executable, str(REPO / "bench" / "specopd.py"), "--grid", "--quick", "--seeds", "0", "1",
-                          "--families", "dflash", "--objectives", "offpolicy_e2e_tv,offpolicy_ce", "--out", str(sub_out)],
+                          "--families", "dflash", "--objectives", "offpolicy_e2e_tv,offpolicy_ce", "--out", str(sub_out),
+                          "--save-drafters", str(tmp_path / "drafters")],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert sub.returncode == 0, sub.stderr[-4000:]
     off = json.loads(sub_out.read_text())
+    # --save-drafters: the warm start and each arm's final weights, loadable into a fresh drafter
+    from cotrain.draft.registry import build_drafter
+    from cotrain.draft.taps import TargetSpec
+    from cotrain.models.build_tiny import resolve_model_path
+
+    tspec = TargetSpec.from_checkpoint(resolve_model_path(grid.family_config("tiny", "dflash", 4, True).target))
+    for sd in ("0", "1"):
+        cell = off["cells"]["dflash"][sd]
+        assert set(cell["saved"]) == {"init", *grid.OFF}
+        for arm, rec in cell["saved"].items():
+            assert rec["sha"] == (cell["init_sha"] if arm == "init" else cell[arm]["final_sha"])
+            fresh = build_drafter("dflash", grid.family_config("tiny", "dflash", 4, True).draft.settings, tspec, seed=99)
+            assert grid.state_hash(fresh) != rec["sha"]
+            fresh.load_state_dict(torch.load(tmp_path / "drafters" / rec["file"]))
+            assert grid.state_hash(fresh) == rec["sha"]
     assert off["config"]["objectives"] == list(grid.OFF)
     full, part = data["cells"]["dflash"]["0"], off["cells"]["dflash"]["0"]
     assert set(part["eval"]) == {"init", *grid.OFF} and "onpolicy_e2e_tv" not in part

