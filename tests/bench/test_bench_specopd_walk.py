@@ -29,7 +29,7 @@ def test_walk_on_vllm_samples_replays_vllm_round_by_round(tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     out = tmp_path / "walk.json"
     cmd = [sys.executable, str(REPO / "bench" / "specopd_walk.py"), str(grid_out), "--drafters", str(drafters),
-           "--samples", "8", "--arms", "init,offpolicy_ce", "--out", str(out)]
+           "--samples", "8", "--own-draws", "2", "--arms", "init,offpolicy_ce", "--out", str(out)]
     walk = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert walk.returncode == 0, walk.stderr[-4000:]
     res = json.loads(out.read_text())["cells"]["dflash"]["0"]
@@ -53,6 +53,11 @@ def test_walk_on_vllm_samples_replays_vllm_round_by_round(tmp_path):
         assert abs(c["vllm_past_eos"] - c["expected_past_eos"]) < 4 * se + 1, (arm, c)
         # the grid's own samples drawn and walked again: the walk its JSON recorded
         assert r["grid_walk"]["acceptance_len"] == pytest.approx(r["grid_walk_recorded"], abs=1e-12), arm
+        # one draw per prompt at a time: vLLM's 8 sample indices, the grid's draw and one more of its kind
+        assert len(r["per_draw"]["vllm"]) == 8 and len(r["per_draw"]["grid"]) == 2
+        assert r["per_draw"]["grid"][0] == r["grid_walk"] and r["per_draw"]["grid"][1] != r["grid_walk"]
+        g = r["per_draw"]["grid"]
+        assert r["grid_walk_all_draws"] == pytest.approx(1 + sum(x["accepted"] for x in g) / sum(x["rounds"] for x in g))
         e, n = r["with_eos"], r["without_eos"]
         assert n["vllm_of"] == r["requests"] and n["grid_of"] == eval_seqs
         if n["vllm"] == 0:  # no response at the length limit: the restriction changes nothing
