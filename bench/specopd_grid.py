@@ -477,15 +477,21 @@ def drafter_engine(first, target_path, method: str = "greedy", **engine):
         spec = first.speculative_config(str(Path(tmp) / "drafter"), K)
         if method != "greedy":
             spec["draft_sample_method"] = method
-        llm = make_cotrain_llm(str(target_path), seed=0, spec_metrics="detailed", speculative_config=spec, **engine)
-        try:
+        with closing_engine(make_cotrain_llm(str(target_path), seed=0, spec_metrics="detailed",
+                                             speculative_config=spec, **engine)) as llm:
             yield llm
-        finally:
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception:
-                pass
-            del llm
+
+
+@contextlib.contextmanager
+def closing_engine(llm):
+    """``llm`` (a vLLM ``LLM``), its engine core shut down on exit."""
+    try:
+        yield llm
+    finally:
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
 
 
 def evaluate(drafter, model, evals: dict, eos: int, sampled: bool = False) -> dict:

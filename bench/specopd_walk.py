@@ -159,15 +159,8 @@ def plain_t1(target_path, prompts: list[str], samples: int, max_tokens: int) -> 
     from bench.specopd import vllm_rounds
     from cotrain.rl.vllm.engine import make_cotrain_llm
 
-    llm = make_cotrain_llm(str(target_path), seed=0, **WHOLE_PROMPTS)
-    try:
+    with grid.closing_engine(make_cotrain_llm(str(target_path), seed=0, **WHOLE_PROMPTS)) as llm:
         return vllm_rounds(llm, prompts, 1.0, samples, 0, max_tokens=max_tokens)[1]
-    finally:
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:
-            pass
-        del llm
 
 
 def load_saved(family: str, cell: dict, cfg, tspec, folder: Path, arms=None) -> dict:

@@ -29,7 +29,7 @@ def test_walk_on_vllm_samples_replays_vllm_round_by_round(tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     out = tmp_path / "walk.json"
     cmd = [sys.executable, str(REPO / "bench" / "specopd_walk.py"), str(grid_out), "--drafters", str(drafters),
-           "--samples", "8", "--own-draws", "2", "--arms", "init,offpolicy_ce", "--out", str(out)]
+           "--samples", "8", "--own-draws", "2", "--plain", "--arms", "init,offpolicy_ce", "--out", str(out)]
     walk = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert walk.returncode == 0, walk.stderr[-4000:]
     res = json.loads(out.read_text())["cells"]["dflash"]["0"]
@@ -58,11 +58,13 @@ def test_walk_on_vllm_samples_replays_vllm_round_by_round(tmp_path):
         assert r["per_draw"]["grid"][0] == r["grid_walk"] and r["per_draw"]["grid"][1] != r["grid_walk"]
         g = r["per_draw"]["grid"]
         assert r["grid_walk_all_draws"] == pytest.approx(1 + sum(x["accepted"] for x in g) / sum(x["rounds"] for x in g))
+        # --plain: vLLM's samples without speculation walked too (a sampler check, no drafter in it)
+        assert 1.0 <= r["walk_on_vllm_plain_samples"]["acceptance_len"] <= 8 and r["response_len"]["vllm_plain"] > 0
         e, n = r["with_eos"], r["without_eos"]
         assert n["vllm_of"] == r["requests"] and n["grid_of"] == eval_seqs
         if n["vllm"] == 0:  # no response at the length limit: the restriction changes nothing
             assert e["vllm"] == v and e["walk_on_vllm_samples"]["acceptance_len"] == w["acceptance_len"]
-    assert "| DFlash | 0 | off-policy CE |" in walk.stdout
+    assert "| DFlash | 0 | off-policy CE |" in walk.stdout and "vLLM, plain" in walk.stdout
     rep = subprocess.run([sys.executable, str(REPO / "bench" / "specopd_walk.py"), str(out), "--report"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert rep.returncode == 0 and rep.stdout.strip() and rep.stdout in walk.stdout  # the same tables, from the JSON
