@@ -234,7 +234,8 @@ def summarize(data: dict) -> dict:
 # ------------------------------------------------------------------------------ acceptance estimate
 @torch.no_grad()
 def branch_acceptance(drafter, model, batch, eos_token_id: int, k: int = K, walk: bool = True,
-                      seqs_per_chunk: int = 16, sampled_drafts: bool = False, t1_walk: bool = False) -> dict:
+                      seqs_per_chunk: int = 16, sampled_drafts: bool = False, t1_walk: bool = False,
+                      greedy_out: Optional[dict] = None) -> dict:
     """The module doc's acceptance estimate of ``drafter`` on ``batch`` (held-out stems): greedy
     branches at every response position, scored by the target in one tree forward per chunk.
 
@@ -245,7 +246,9 @@ def branch_acceptance(drafter, model, batch, eos_token_id: int, k: int = K, walk
     drafter at temperature 1 (module doc), at the same positions; with ``t1_walk`` (``batch``: the
     target's temperature-1 responses), "1w": the serving walk at T = 1 with greedy drafts, and with
     ``sampled_drafts`` "1sw": with drafts sampled from the drafter, both in expectation
-    (:func:`cotrain.draft.acceptance.expected_walk`; what vLLM measures)."""
+    (:func:`cotrain.draft.acceptance.expected_walk`; what vLLM measures). ``greedy_out`` (a dict):
+    filled with {bonus position in ``batch``: (its k greedy drafts, p_j(y_j) of each)}, every
+    position the branches start at (``bench/specopd_walk.py`` replays vLLM's rounds on them)."""
     from cotrain.draft.acceptance import _walk, expected_walk
     from cotrain.draft.common import select_sequences
 
@@ -265,6 +268,8 @@ def branch_acceptance(drafter, model, batch, eos_token_id: int, k: int = K, walk
             hit = y == p.argmax(-1)
             py = p.gather(-1, y[..., None])[..., 0].double()
             b = br.bonus_pos
+            if greedy_out is not None:
+                greedy_out.update(zip((b + int(batch.cu_seqlens[s0])).tolist(), zip(y.tolist(), py.tolist())))
             keep = _serving_bonus(sub, eos_token_id)[b]
             to_eos_b = _to_eos(sub, eos_token_id)[b]
             gpos = (b[keep] + int(batch.cu_seqlens[s0])).tolist()  # the kept bonus positions in ``batch``
@@ -658,12 +663,12 @@ def run_cell(family: str, seed: int, cfg, warm_cfg, tspec, model, train, evals, 
     rec["eval"] = {"init": evaluate(d0, model, evals, eos, a.sampled_drafts)}
     for name, arm in arms.items():
         rec["eval"][name] = evaluate(arm.d, model, evals, eos, a.sampled_drafts)
+    finals = {"init": d0, **{n: arm.d for n, arm in arms.items()}}
     if a.save_drafters is not None:
-        rec["saved"] = save_drafters({"init": d0, **{n: arm.d for n, arm in arms.items()}}, a.save_drafters,
-                                     family, seed)
+        rec["saved"] = save_drafters(finals, a.save_drafters, family, seed)
     if serve is not None:
         t1 = time.time()
-        rec["served"] = served_acceptance({"init": d0, **{n: arm.d for n, arm in arms.items()}}, **serve)
+        rec["served"] = served_acceptance(finals, **serve)
         print(f"  [{family} seed {seed}] vLLM " + "; ".join(
             f"{what}: " + ", ".join(f"{n} {(v[key] if key else v)['acceptance_len']:.3f}" for n, v in rec["served"].items())
             for what, key in (("greedy", None), ("T=1", "1"), ("T=1 sampled drafts", "1s"))

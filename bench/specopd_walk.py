@@ -55,10 +55,11 @@ from bench import specopd_grid as grid  # noqa: E402
 WHOLE_PROMPTS = {"max_num_batched_tokens": 256 * 256}  # CPU_MAX_NUM_SEQS x the engines' max_model_len
 
 
-def round_check(drafter, model, batch, rounds: list[list[int]], eos: int, k: int = grid.K,
-                seqs_per_chunk: int = 16) -> dict:
+def round_check(greedy: dict, batch, rounds: list[list[int]], eos: int, k: int = grid.K) -> dict:
     """vLLM's rounds (``rounds[s]``: per-round accepted counts of request s, whose output is the
-    response of ``batch``'s sequence s) walked offline along the same responses (module doc).
+    response of ``batch``'s sequence s) walked offline along the same responses (module doc), with
+    the greedy drafts and their p_j(y_j) at every bonus position (``greedy``: what
+    :func:`bench.specopd_grid.branch_acceptance` fills its ``greedy_out`` with).
 
     Returns {"decided", "agree": decided rounds whose offline count equals vLLM's, "crossing",
     "crossing_short": crossing rounds where vLLM accepted fewer drafts than reach the EOS (the
@@ -66,24 +67,6 @@ def round_check(drafter, model, batch, rounds: list[list[int]], eos: int, k: int
     crossing rounds, vLLM's and the offline expectation, "capped": requests without an EOS (at the
     length limit), "rounds_left" / "rounds_missing": requests where vLLM's rounds go on after the
     walk ended or stop before it}."""
-    from cotrain.draft.common import select_sequences
-
-    drafts: dict[int, list[int]] = {}
-    p_y: dict[int, list[float]] = {}
-    was = drafter.training
-    drafter.eval()
-    try:
-        with torch.no_grad():
-            for s0 in range(0, batch.num_seqs, seqs_per_chunk):
-                sub = select_sequences(batch, torch.arange(s0, min(s0 + seqs_per_chunk, batch.num_seqs)))
-                _, br, p = grid.greedy_branches(drafter, model, sub, k)
-                y = br.tokens[:, :k]
-                py = p.gather(-1, y[..., None])[..., 0].double()
-                off = int(batch.cu_seqlens[s0])
-                for b, d, q in zip((br.bonus_pos + off).tolist(), y.tolist(), py.tolist()):
-                    drafts[b], p_y[b] = d, q
-    finally:
-        drafter.train(was)
     out = {"decided": 0, "agree": 0, "crossing": 0, "crossing_short": 0, "vllm_past_eos": 0,
            "expected_past_eos": 0.0, "capped": 0, "rounds_left": 0, "rounds_missing": 0}
     ids, cu = batch.input_ids.tolist(), batch.cu_seqlens.tolist()
@@ -94,10 +77,10 @@ def round_check(drafter, model, batch, rounds: list[list[int]], eos: int, k: int
         out["capped"] += e is None
         b, ended = start, False
         for i, acc in enumerate(req):
-            if ended or b >= end or b not in drafts:
+            if ended or b >= end or b not in greedy:
                 out["rounds_left"] += len(req) - i  # vLLM went on where the walk's response has ended
                 break
-            d = drafts[b]
+            d, p_y = greedy[b]
             rem = (e - b) if e is not None else end - 1 - b  # tokens after b up to and including the EOS
             reach = min(k, rem)
             m = 0
@@ -111,7 +94,7 @@ def round_check(drafter, model, batch, rounds: list[list[int]], eos: int, k: int
                 out["crossing_short"] += acc < rem
                 out["vllm_past_eos"] += max(acc - rem, 0)
                 prod = 1.0
-                for q in p_y[b][rem:k]:
+                for q in p_y[rem:k]:
                     prod *= q
                     out["expected_past_eos"] += prod
             ended = eos in ids[b + 1:b + acc + 2]  # the round's new tokens: acc drafts and one more
@@ -191,8 +174,9 @@ def walk_both(drafter, model, recs, eos: int, rounds):
     from cotrain.draft.distill import records_to_batch
 
     batch = records_to_batch(recs, model, drafter.tap_layers)
-    walk = grid.branch_acceptance(drafter, model, batch, eos, walk=False, t1_walk=True)["1w"]
-    return walk, (None if rounds is None else round_check(drafter, model, batch, rounds, eos))
+    greedy = None if rounds is None else {}
+    walk = grid.branch_acceptance(drafter, model, batch, eos, walk=False, t1_walk=True, greedy_out=greedy)["1w"]
+    return walk, (None if rounds is None else round_check(greedy, batch, rounds, eos))
 
 
 def row(family: str, seed: str, arm: str, r: dict) -> str:
@@ -267,8 +251,7 @@ def run(argv=None) -> int:
         raise ValueError("--drafters: the run's --save-drafters folder is needed (or --report a walk JSON)")
     for flag, v in (("--samples", a.samples), ("--own-draws", a.own_draws)):
         if v < 1:
-            print(f"bench/specopd_walk.py: {flag} {v}: must be >= 1", file=sys.stderr)
-            return 2
+            raise ValueError(f"{flag} {v}: must be >= 1")
     from transformers import AutoTokenizer
 
     from bench.specopd import acceptance_from_rounds
