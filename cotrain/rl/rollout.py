@@ -518,24 +518,7 @@ def engine_spec_from_config(cfg, *, model_path: str | None = None, draft_model: 
                       max_model_len=cfg.policy.max_seq_len, kv_cache_memory_bytes=r.kv_cache_memory_bytes,
                       gpu_memory_utilization=r.gpu_memory_utilization, enforce_eager=r.enforce_eager,
                       tensor_parallel_size=r.tensor_parallel, sleep_mode=r.colocate, speculative=spec_cfg,
-                      multiprocess=multiprocess, extra=cpu_multiturn_budget(cfg))
-
-
-#: vLLM's default max_num_seqs of an offline engine on CPU (per tensor-parallel rank)
-CPU_MAX_NUM_SEQS = 256
-
-
-def cpu_multiturn_budget(cfg) -> dict:
-    """Multi-turn rollouts on CPU: a token budget per engine step that holds max_num_seqs whole prompts.
-
-    Later turns send many long token-id histories at once (one request per conversation); past
-    vLLM's CPU budget (4096 tokens a step) one is prefilled in chunks, and vLLM then rewinds that
-    request's seeded generator (``set_offset``), which a CPU generator does not have: the engine
-    raises "CPU Generator does not use offset". With ``max_num_seqs * max_model_len`` tokens a step
-    no prompt is ever split. Single-turn runs and CUDA keep vLLM's defaults (unchanged schedules)."""
-    if cfg.rollout.max_turns <= 1 or cfg.cluster.device != "cpu":
-        return {}
-    return {"max_num_batched_tokens": CPU_MAX_NUM_SEQS * cfg.rollout.tensor_parallel * cfg.policy.max_seq_len}
+                      multiprocess=multiprocess)
 
 
 def sampling_from_config(cfg, seed: int | None = None) -> SamplingSpec:

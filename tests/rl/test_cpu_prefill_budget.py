@@ -1,8 +1,10 @@
-"""Many conversations at once on a real CPU engine: a later turn's token-id histories together pass
-vLLM's CPU token budget per step (4096), which without cotrain's multi-turn budget
-(cotrain.rl.rollout.cpu_multiturn_budget) has vLLM prefill one in chunks and then fail rewinding its
-seeded generator ("CPU Generator does not use offset"). builtin:calc with the calculator, 32
-problems x 8 conversations in this process; one engine start (~20 s)."""
+"""Seeded batches past vLLM's CPU token budget per step (4096) on real CPU engines. Without cotrain's
+budget (cotrain.config.derived.cpu_prefill_budget, applied to every CPU engine by
+cotrain.rl.vllm.engine.engine_kwargs) vLLM prefills one prompt in chunks and then fails rewinding
+its seeded generator ("CPU Generator does not use offset"). Here a multi-turn run's later turn
+(builtin:calc with the calculator, 32 problems x 8 conversations, whose token-id histories together
+pass the budget; one engine start, ~20 s); a single-turn batch of 2,400 seeded prompts runs in
+tests/draft/test_samplers_agree.py, and the budget's arithmetic in tests/rl/test_rollout_units.py."""
 
 from __future__ import annotations
 
@@ -28,9 +30,6 @@ def test_a_turn_past_the_cpu_token_budget_runs(builtin_model_path, tmp_path):
     path = builtin_model_path("calc")
     cfg = load_config(str(ROOT / "configs/calc.yaml"), [f"run.output_dir={tmp_path}", "data.eval.every=0"])
     spec = engine_spec_from_config(cfg, model_path=str(path))
-    assert spec.extra == {"max_num_batched_tokens": 256 * cfg.policy.max_seq_len}
-    single = load_config(str(ROOT / "configs/grpo.yaml"), [f"run.output_dir={tmp_path / 's'}"])
-    assert engine_spec_from_config(single).extra == {}  # single-turn engines: vLLM's defaults
     tok = AutoTokenizer.from_pretrained(str(path))
     problems = arithmetic_dataset(32, seed=3, max_digits=2, ops=("*",))
     engine = VllmGeneration(spec)
@@ -45,3 +44,4 @@ def test_a_turn_past_the_cpu_token_budget_runs(builtin_model_path, tmp_path):
     assert sum(len(s.prompt_token_ids) + s.turns[0]["tokens"] + s.turns[0]["observation_tokens"] for s in second) > 4096
     assert len(samples) == 256 and all(s.env_error is None for s in samples)
     assert res.metrics["accuracy"] > 0.3  # the calc policy answers about half right at temperature 1
+
