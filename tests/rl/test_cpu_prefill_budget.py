@@ -3,7 +3,7 @@ budget (cotrain.config.derived.cpu_prefill_budget, applied to every CPU engine b
 cotrain.rl.vllm.engine.engine_kwargs) vLLM prefills one prompt in chunks and then fails rewinding
 its seeded generator ("CPU Generator does not use offset"). Here a multi-turn run's later turn
 (builtin:calc with the calculator, 32 problems x 8 conversations, whose token-id histories together
-pass the budget; one engine start, ~20 s); a single-turn batch of 2,400 seeded prompts runs in
+pass the budget; one engine start, ~20 s); a single-turn batch of 1,200 seeded prompts runs in
 tests/draft/test_samplers_agree.py, and the budget's arithmetic in tests/rl/test_rollout_units.py."""
 
 from __future__ import annotations
@@ -44,4 +44,3 @@ def test_a_turn_past_the_cpu_token_budget_runs(builtin_model_path, tmp_path):
     assert sum(len(s.prompt_token_ids) + s.turns[0]["tokens"] + s.turns[0]["observation_tokens"] for s in second) > 4096
     assert len(samples) == 256 and all(s.env_error is None for s in samples)
     assert res.metrics["accuracy"] > 0.3  # the calc policy answers about half right at temperature 1
-

@@ -142,10 +142,11 @@ def test_cpu_engines_prefill_whole_prompts(monkeypatch):
     assert engine_kwargs("m", max_model_len=300, max_num_seqs=8)["max_num_batched_tokens"] == 8 * 300
     assert engine_kwargs("m", max_num_batched_tokens=64)["max_num_batched_tokens"] == 64
     for path in ("configs/grpo.yaml", "configs/calc.yaml"):  # single-turn, multi-turn
-        spec = engine_spec_from_config(load_config(path))
+        cfg = load_config(path)
+        spec = engine_spec_from_config(cfg)
         assert spec.extra == {}  # the budget is the engine's default, not a run's extra
         kw = engine_kwargs(spec.model_path, max_model_len=spec.max_model_len, **spec.extra)
-        assert kw["max_num_batched_tokens"] == 256 * load_config(path).policy.max_seq_len
+        assert kw["max_num_batched_tokens"] == 256 * cfg.policy.max_seq_len
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert "max_num_batched_tokens" not in engine_kwargs("m")
 
