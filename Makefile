@@ -12,8 +12,14 @@ demo: setup
 	$(PY) -m cotrain.models.build_tiny
 	$(PY) launch/grpo.py --config configs/demo.yaml --overwrite $(ARGS)
 
+# The whole suite (no ARGS) starts scripts/warm_caches.py beside pytest: on a clean machine it builds
+# the models and drafters the tests need on the core the (one-thread) test process leaves idle.
 test: setup
-	$(PY) -m pytest $(ARGS)
+	@warm=; log=$$(mktemp); \
+	if [ -z "$(strip $(ARGS))" ]; then $(PY) scripts/warm_caches.py --nice 10 >"$$log" 2>&1 & warm=$$!; fi; \
+	$(PY) -m pytest $(ARGS); rc=$$?; \
+	if [ -n "$$warm" ]; then kill $$warm 2>/dev/null; wait $$warm; grep '^\[warm_caches\]' "$$log"; fi; \
+	rm -f "$$log"; exit $$rc
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(ARGS)

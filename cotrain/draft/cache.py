@@ -54,18 +54,23 @@ def cache_key(cfg: DistillConfig) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+def distilled_dir(cfg: DistillConfig, root: Optional[Path] = None) -> Path:
+    """Where the distillation of ``cfg`` is cached (``ensure_distilled`` fills it)."""
+    from cotrain.models.build_tiny import cache_root
+
+    return (Path(root) if root is not None else cache_root() / "drafters") / f"{cfg.draft.kind}-{cache_key(cfg)}"
+
+
 def ensure_distilled(cfg: DistillConfig | str | Path, overrides: list[str] = (), progress: bool = False,
                      root: Optional[Path] = None) -> Path:
     """Directory of a finished distillation (``drafter/``, ``metrics.json``, ``curves.png``)."""
-    from cotrain.models.build_tiny import cache_root
-
     if not isinstance(cfg, DistillConfig):
         cfg = load_distill_config(cfg, list(overrides))
     elif overrides:
         raise ValueError("overrides apply to a config file, not to a DistillConfig object")
-    root = Path(root) if root is not None else cache_root() / "drafters"
+    out = distilled_dir(cfg, root)
+    root = out.parent
     root.mkdir(parents=True, exist_ok=True)
-    out = root / f"{cfg.draft.kind}-{cache_key(cfg)}"
     with open(root / f"{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "metrics.json").exists():
