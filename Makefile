@@ -16,7 +16,7 @@ demo: setup
 # the models and drafters the tests need on the core the (one-thread) test process leaves idle.
 test: setup
 	@warm=; log=$$(mktemp); \
-	if [ -z "$(strip $(ARGS))" ]; then $(PY) scripts/warm_caches.py --nice 10 >"$$log" 2>&1 & warm=$$!; fi; \
+	if [ -z "$(strip $(ARGS))" ]; then $(PY) scripts/warm_caches.py --nice 19 >"$$log" 2>&1 & warm=$$!; fi; \
 	$(PY) -m pytest $(ARGS); rc=$$?; \
 	if [ -n "$$warm" ]; then kill $$warm 2>/dev/null; wait $$warm; grep '^\[warm_caches\]' "$$log"; fi; \
 	rm -f "$$log"; exit $$rc
