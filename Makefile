@@ -3,7 +3,7 @@
 #   make test   - the test suite
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-fast bench clean mutants gpu-wheels
+.PHONY: setup demo test test-fast warm bench clean mutants gpu-wheels
 
 setup:
 	@bash scripts/setup.sh
@@ -12,14 +12,13 @@ demo: setup
 	$(PY) -m cotrain.models.build_tiny
 	$(PY) launch/grpo.py --config configs/demo.yaml --overwrite $(ARGS)
 
-# The whole suite (no ARGS) starts scripts/warm_caches.py beside pytest: on a clean machine it builds
-# the models and drafters the tests need on the core the (one-thread) test process leaves idle.
 test: setup
-	@warm=; log=$$(mktemp); \
-	if [ -z "$(strip $(ARGS))" ]; then $(PY) scripts/warm_caches.py --nice 19 >"$$log" 2>&1 & warm=$$!; fi; \
-	$(PY) -m pytest $(ARGS); rc=$$?; \
-	if [ -n "$$warm" ]; then kill $$warm 2>/dev/null; wait $$warm; grep '^\[warm_caches\]' "$$log"; fi; \
-	rm -f "$$log"; exit $$rc
+	$(PY) -m pytest $(ARGS)
+
+# builds the models and drafters the tests, bench and demo use into the cache (~/.cache/cotrain), the
+# same locked, atomic builds they would run on first use: once on a fresh machine, before them
+warm: setup
+	$(PY) scripts/warm_caches.py $(ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow" $(ARGS)

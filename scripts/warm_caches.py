@@ -1,13 +1,12 @@
-"""Fill the caches the test suite builds on first use, in a background process beside the suite.
+"""Fill the caches the test suite, the benchmarks and the demo build on first use (``make warm``).
 
-On a clean machine (CI) the suite builds three built-in models and distills four drafters the
-first time a test asks for them, each on a fixed number of torch threads (one, mostly) while the
-test process also runs one thread: a core of the two sits idle through those minutes. ``make test``
-starts this script beside pytest (niced, so the tests keep their core); it fills the same caches
-through the same entry points in the order the suite first needs them. Nothing changes in what is
-built: ``ensure_builtin_model`` and ``ensure_distilled`` fix their threads, build under a file lock
-and publish atomically, so whichever process gets there first builds, the other waits on the lock
-and then reads the finished directory. A failure here only means the suite builds it itself.
+On a clean machine the suite builds three built-in models and distills four drafters the first
+time a test asks for them. This script builds the same through the same entry points, in the order
+the suite first needs them, so that a fresh machine can do it ahead (or beside other work, with
+``--nice``). Nothing changes in what is built: ``ensure_builtin_model`` and ``ensure_distilled`` fix
+their threads, build under a file lock and publish atomically, so whichever process gets there
+first builds, the other waits on the lock and then reads the finished directory. A failure is
+reported and the rest still run.
 
     python scripts/warm_caches.py            # fill what is missing (progress on stdout)
     python scripts/warm_caches.py --list     # what the suite uses: name, cache directory, cached or not
@@ -79,7 +78,7 @@ def main(argv=None) -> int:
         os.nice(a.nice)
     # SIGTERM (make stopping us) as an exception: the builders' cleanup removes their temporary folder
     def stop(*_):
-        print("[warm_caches] stopped (the tests ended first)", flush=True)
+        print("[warm_caches] stopped", flush=True)
         sys.exit(143)
 
     signal.signal(signal.SIGTERM, stop)

@@ -1,4 +1,4 @@
-"""scripts/warm_caches.py (what ``make test`` starts beside the suite): it warms every built-in model and
+"""scripts/warm_caches.py (``make warm``): it warms every built-in model and
 distilled drafter the tests ask for, at the directories the tests' own calls fill, and a failure
 there is reported without stopping the rest."""
 
