@@ -4,7 +4,8 @@ Where should on-policy distillation's gain appear? Per target (``--target tiny|s
 family (DFlash, EAGLE-3, DSpark, each drafting k = 7 tokens) and per seed, one drafter is built
 from the seed and warm-started by ``--warm-steps`` teacher-forced steps of the family's own loss
 (the common init); four copies then train ``--steps`` more steps each (``--objectives``: a subset,
-off-policy CE always among them, e.g. the off-policy arms alone at a budget long enough to plateau):
+e.g. the off-policy arms alone at a budget long enough to plateau; every gain is paired against
+off-policy CE, so a run without it is reported only joined with one that has it):
 
     offpolicy_ce          draft.branches=teacher_forced, draft.loss = the family's CE (soft_ce; DSpark dspark_l1)
     offpolicy_e2e_tv      draft.branches=teacher_forced, draft.loss=e2e_tv
@@ -56,6 +57,13 @@ that is cut off keeps its finished cells and a rerun with the same settings resu
 missing one; ``--report`` prints the tables and draws ``docs/img/specopd-<target>.png``; ``--report A.json
 B.json ...`` merges runs of the same settings run side by side - other families, seeds or objectives
 (:func:`merge`) - or reports an ``--lr-scale`` sweep (:func:`lr_sweep`).
+
+A cell longer than a sitting (an on-policy arm of 20,480 steps on builtin:small is hours of a core):
+``--checkpoint DIR`` writes the cell's whole training state after every round (:class:`Checkpoint`:
+each arm's drafter, AdamW state, step, losses and curve; atomically), the same command again
+resumes at the round after it, to the same weights as a run that was never stopped (the batch
+stream is replayed to its step, anchors are drawn by (seed, step)), and ``--stop-after SECONDS``
+ends the run after the first round past that many seconds (exit 3: run it again to go on).
 """
 
 from __future__ import annotations
@@ -563,6 +571,12 @@ class Batches:
         self.distinct.update(out.tolist())
         return out
 
+    def skip(self, n: int) -> None:
+        """Draw ``n`` batches unused (a resumed arm at step ``n``: the stream, hash and count go on as if
+        it had drawn them)."""
+        for _ in range(n):
+            self.next()
+
 
 class Arm:
     def __init__(self, name: str, drafter, cfg, branches: str, loss: str, steps: int, seed: int, pool: int,
@@ -601,6 +615,70 @@ class Arm:
                 "final_sha": state_hash(self.d), "loss_first": self.losses[0] if self.losses else None,
                 "loss_last10": statistics.fmean(self.losses[-10:]) if self.losses else None,
                 "seconds": round(self.seconds, 2), "branches": self.branches, "loss": self.loss}
+
+
+class StopForResume(Exception):
+    """``--stop-after``: the run's time is up at a round's end; the cell's checkpoint holds it."""
+
+
+class CheckpointError(ValueError):
+    """A ``--checkpoint`` file this run cannot resume from (named, with why)."""
+
+
+class Checkpoint:
+    """``--checkpoint DIR``: one (family, seed) cell's training state after a round, in
+    ``DIR/{family}-seed{seed}.pt`` (a temporary file, then a rename: a run killed while writing keeps
+    the previous round's). What a resume needs to train on exactly as if never stopped: each arm's
+    drafter and AdamW state, its step (the rate, the anchors' generator and the batch stream are
+    functions of it: :meth:`Batches.skip`), its losses and seconds; the curve and round order so
+    far; the run's settings and the warm start's hash, which a resume must match (else it is refused,
+    naming what differs: a checkpoint of other settings is not this cell's)."""
+
+    def __init__(self, root: Path, family: str, seed: int, settings: dict):
+        self.path = root / f"{family}-seed{seed}.pt"
+        self.settings = {k: v for k, v in settings.items() if k != "seeds"}  # the cell's seed is in the name
+
+    def save(self, rounds_done: int, init_sha: str, arms: dict, curve: dict, order_log: list, seconds: float,
+             resumed: list) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        state = {"settings": self.settings, "init_sha": init_sha, "rounds_done": rounds_done, "seconds": seconds,
+                 "resumed": resumed,
+                 "curve": curve, "order": order_log, "torch_rng": torch.get_rng_state(),
+                 "arms": {n: {"drafter": arm.d.state_dict(), "optimizer": arm.opt.state_dict(), "step": arm.step,
+                              "losses": arm.losses, "seconds": arm.seconds, "sha": state_hash(arm.d)}
+                          for n, arm in arms.items()}}
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.path)
+
+    def load(self, init_sha: str, arms: dict) -> Optional[dict]:
+        """Restore ``arms`` from the file if there is one; returns {rounds_done, curve, order, seconds,
+        resumed} (the cell's seconds so far, the rounds earlier runs resumed after) or None."""
+        if not self.path.exists():
+            return None
+        try:
+            state = torch.load(self.path, weights_only=False)
+        except Exception as e:
+            raise CheckpointError(f"--checkpoint {self.path}: unreadable ({type(e).__name__}: {e}); "
+                             "delete it to start the cell over") from e
+        diff = [k for k in self.settings if state["settings"].get(k) != self.settings[k]]
+        if diff or state["init_sha"] != init_sha:
+            why = ", ".join(diff) if diff else f"the warm start ({state['init_sha']} vs {init_sha}: another build)"
+            raise CheckpointError(f"--checkpoint {self.path}: written by a run of other settings ({why}); "
+                             "delete it or name another --checkpoint directory")
+        for n, arm in arms.items():
+            st = state["arms"][n]
+            arm.d.load_state_dict(st["drafter"])
+            arm.opt.load_state_dict(st["optimizer"])
+            arm.step, arm.losses, arm.seconds = st["step"], list(st["losses"]), st["seconds"]
+            arm.batches.skip(arm.step)
+            if state_hash(arm.d) != st["sha"]:
+                raise CheckpointError(f"--checkpoint {self.path}: arm {n}'s weights do not match their hash")
+        torch.set_rng_state(state["torch_rng"])
+        return {k: state[k] for k in ("rounds_done", "curve", "order", "seconds", "resumed")}
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def family_config(target: str, family: str, batch_size: int, constant: bool):
@@ -648,7 +726,15 @@ def run_cell(family: str, seed: int, cfg, warm_cfg, tspec, model, train, evals, 
     bounds = [round(a.steps * r / a.rounds) for r in range(a.rounds + 1)]
     order_log = []
     names = list(arms)
-    for r in range(a.rounds):
+    ckpt = None if a.checkpoint is None else Checkpoint(a.checkpoint, family, seed, settings_of(vars(a)))
+    start = 0
+    if ckpt is not None and (got := ckpt.load(rec["init_sha"], arms)) is not None:
+        start, curve, order_log = got["rounds_done"], got["curve"], got["order"]
+        t0 -= got["seconds"]  # the cell's seconds count the earlier runs' too
+        rec["resumed_after_rounds"] = got["resumed"] + [start]
+        print(f"  [{family} seed {seed}] resumed from {ckpt.path} after round {start}/{a.rounds} "
+              f"(step {bounds[start]})", flush=True)
+    for r in range(start, a.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         order_log.append(order)
         for name in order:
@@ -656,6 +742,12 @@ def run_cell(family: str, seed: int, cfg, warm_cfg, tspec, model, train, evals, 
             curve[name].append(branch_acceptance(arms[name].d, model, curve_set, eos, walk=True)["walk"]["acceptance_len"])
         print(f"  [{family} seed {seed}] round {r + 1}/{a.rounds} (step {bounds[r + 1]}): " + ", ".join(
             f"{n} {curve[n][-1]:.3f} ({arms[n].seconds:.0f} s)" for n in names), flush=True)
+        if ckpt is not None:  # after the last round too: a run stopped in the evaluation resumes there
+            ckpt.save(r + 1, rec["init_sha"], arms, curve, order_log, time.time() - t0,
+                      rec.get("resumed_after_rounds", []))
+            if a.stop_after is not None and r + 1 < a.rounds and time.time() - a.started > a.stop_after:
+                raise StopForResume(f"[{family} seed {seed}] stopped after round {r + 1}/{a.rounds} "
+                                    f"(--stop-after {a.stop_after:g} s); {ckpt.path} holds it: the same command resumes")
     rec.update({name: arm.record() for name, arm in arms.items()})
     rec["curve"] = curve
     rec["curve_steps"] = bounds
@@ -893,10 +985,17 @@ def parse_args(argv):
     ap.add_argument("--save-drafters", type=Path, default=None, metavar="DIR",
                     help="write the warm start and every arm's final drafter to DIR/{family}-seed{seed}-{arm}.pt "
                          "(their hashes in the JSON's cell, \"saved\")")
+    ap.add_argument("--checkpoint", type=Path, default=None, metavar="DIR",
+                    help="write each cell's training state to DIR/{family}-seed{seed}.pt after every round; the same "
+                         "command resumes from it, to the weights of a run never stopped (removed when the cell is done)")
+    ap.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
+                    help="with --checkpoint: end the run (exit 3) after the first round that ends past SECONDS; "
+                         "the same command goes on from there")
     ap.add_argument("--plateau-pct", type=float, default=1.0,
                     help="plateau: the last quarter of the steps gained less than this (%%)")
     a = ap.parse_args(argv)
     a.argv = [x for x in argv if x != "--grid"]
+    a.started = time.time()
     return grid_defaults(a)
 
 
@@ -912,9 +1011,8 @@ def grid_defaults(a):
     a.families = fams
     objs = [o for o in a.objectives.split(",") if o]
     bad = [o for o in objs if o not in OBJECTIVES]
-    if bad or "offpolicy_ce" not in objs or len(set(objs)) != len(objs):
-        raise ValueError(f"--objectives {a.objectives!r}: distinct names among {', '.join(OBJECTIVES)}, "
-                         "offpolicy_ce among them (every gain is paired against it)")
+    if bad or not objs or len(set(objs)) != len(objs):
+        raise ValueError(f"--objectives {a.objectives!r}: distinct names among {', '.join(OBJECTIVES)}")
     a.objectives = [o for o in OBJECTIVES if o in objs]
     if a.rounds < 2 or a.rounds > a.steps:
         raise ValueError(f"--rounds {a.rounds}: at least 2 (a plateau needs a last quarter) and at most --steps")
@@ -926,8 +1024,12 @@ def grid_defaults(a):
         a.serve_t1_samples = 4 if a.serve else 0
     if a.serve_t1_samples < 0:
         raise ValueError(f"--serve-t1-samples {a.serve_t1_samples}: must be >= 0")
-    if a.save_drafters is not None and a.save_drafters.exists() and not a.save_drafters.is_dir():
-        raise ValueError(f"--save-drafters {a.save_drafters}: exists and is not a directory")
+    for flag, d in (("--save-drafters", a.save_drafters), ("--checkpoint", a.checkpoint)):
+        if d is not None and d.exists() and not d.is_dir():
+            raise ValueError(f"{flag} {d}: exists and is not a directory")
+    if a.stop_after is not None and (a.checkpoint is None or a.stop_after < 0):
+        raise ValueError(f"--stop-after {a.stop_after:g}: needs --checkpoint (else the stopped cell is lost) "
+                         "and SECONDS >= 0")
     if a.pool < a.batch_size:
         raise ValueError(f"--pool {a.pool}: smaller than one batch ({a.batch_size})")
     if a.out is None:
@@ -1024,16 +1126,31 @@ def run_grid(a) -> int:
                 print(f"[cell] {f} seed {seed}: in {a.out.name} already", flush=True)
                 continue
             t0 = time.time()
-            cells[str(seed)] = run_cell(f, seed, cfgs[f], warm_cfgs[f], tspec, model, b["train"], b, curve_set, a, eos,
-                                        serve=serve)
+            try:
+                cells[str(seed)] = run_cell(f, seed, cfgs[f], warm_cfgs[f], tspec, model, b["train"], b, curve_set, a,
+                                            eos, serve=serve)
+            except StopForResume as e:
+                print(e, flush=True)
+                return 3
+            except CheckpointError as e:
+                print(f"bench/specopd.py --grid: {e}", file=sys.stderr)
+                return 2
             data["seconds"] = data.get("seconds", 0.0) + (time.time() - t0)
-            data["summary"] = summarize(data)
+            data["summary"] = summarize(data) if "offpolicy_ce" in a.objectives else None
             a.out.parent.mkdir(parents=True, exist_ok=True)
-            a.out.write_text(json.dumps(data, separators=(",", ":")))
+            tmp = a.out.with_name(a.out.name + ".tmp")
+            tmp.write_text(json.dumps(data, separators=(",", ":")))
+            os.replace(tmp, a.out)
+            if a.checkpoint is not None:  # the cell is in the JSON now
+                Checkpoint(a.checkpoint, f, seed, {}).remove()
             ev_ = cells[str(seed)]["eval"]
             print(f"[cell] {f} seed {seed} in {time.time() - t0:.0f} s: T=0 " + ", ".join(
                 f"{arm} {ev_[arm]['0']['acceptance_len']:.3f}" for arm in ev_) + "; T=1 " + ", ".join(
                 f"{arm} {ev_[arm]['1']['acceptance_len']:.3f}" for arm in ev_), flush=True)
+    if "offpolicy_ce" not in a.objectives:
+        print(f"wrote {a.out}: no off-policy CE arm, the reference of every gain; report it joined with a run of the "
+              f"same settings that has one: python bench/specopd.py --report {a.out} OTHER.json")
+        return 0
     data["summary"] = summarize(data)
     a.png.parent.mkdir(parents=True, exist_ok=True)
     plot(data, a.png)
@@ -1283,6 +1400,9 @@ def report(paths, png: Optional[Path]) -> int:
                 print(f"wrote {png}")
             return 0
         data = datas[0] if len(datas) == 1 else merge(datas)
+        if "offpolicy_ce" not in objectives_of(data):
+            raise ValueError(f"{', '.join(map(str, paths))}: no off-policy CE arm, the reference of every gain; "
+                             "name a run of the same settings that has one beside it")
     except ValueError as e:
         print(f"bench/specopd.py --report: {e}", file=sys.stderr)
         return 2

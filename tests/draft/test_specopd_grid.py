@@ -144,21 +144,82 @@ def test_lr_sweep_pairs_every_scale_against_the_same_ce_arm(tmp_path, capsys):
     assert grid.report(paths, None) == 2 and "not in: steps" in capsys.readouterr().err
 
 
-def test_save_drafters_refuses_a_file(tmp_path):
+def test_save_drafters_and_checkpoint_refuse_a_file(tmp_path):
     (tmp_path / "f").write_text("x")
-    with pytest.raises(ValueError, match="--save-drafters .*not a directory"):
-        grid.parse_args(["--grid", "--quick", "--save-drafters", str(tmp_path / "f")])
+    for flag in ("--save-drafters", "--checkpoint"):
+        with pytest.raises(ValueError, match=f"{flag} .*not a directory"):
+            grid.parse_args(["--grid", "--quick", flag, str(tmp_path / "f")])
     assert grid.parse_args(["--grid", "--quick", "--save-drafters", str(tmp_path / "d")]).save_drafters == tmp_path / "d"
+    with pytest.raises(ValueError, match="--stop-after 5: needs --checkpoint"):
+        grid.parse_args(["--grid", "--quick", "--stop-after", "5"])
+    with pytest.raises(ValueError, match="--stop-after -1: needs --checkpoint .* >= 0"):
+        grid.parse_args(["--grid", "--quick", "--stop-after", "-1", "--checkpoint", str(tmp_path / "d")])
 
 
-def test_objectives_flag_orders_a_subset_and_refuses_what_pairs_with_nothing():
+def test_objectives_flag_orders_a_subset_and_refuses_unknown_names():
     base = ["--grid", "--quick"]
     assert grid.parse_args(base).objectives == list(grid.OBJECTIVES)
     assert grid.parse_args(base + ["--objectives", "offpolicy_e2e_tv,offpolicy_ce"]).objectives == list(grid.OFF)
-    for bad in ("onpolicy_e2e_tv,offpolicy_e2e_tv", "offpolicy_ce,ce", "offpolicy_ce,offpolicy_ce", ""):
-        with pytest.raises(ValueError, match="--objectives .*offpolicy_ce among them"):
+    # without CE: a run to join with one that has it (the report refuses it alone: the tests below)
+    assert grid.parse_args(base + ["--objectives", "onpolicy_accept_tv"]).objectives == ["onpolicy_accept_tv"]
+    for bad in ("offpolicy_ce,ce", "offpolicy_ce,offpolicy_ce", ""):
+        with pytest.raises(ValueError, match="--objectives .*distinct names among offpolicy_ce"):
             grid.parse_args(base + ["--objectives", bad])
     assert grid.main(base + ["--objectives", "offpolicy_ce,tv"]) == 2
+
+
+@pytest.mark.slow  # five quick DFlash cells of 6 steps in subprocesses: ~40 s
+def test_checkpoint_resumes_to_the_weights_of_a_run_never_stopped(tmp_path):
+    """--checkpoint / --stop-after: a cell stopped after each of its rounds and resumed each time
+    trains both arms (one on-policy: anchors and branch draws by (seed, step)) to the very weights,
+    curve, losses and evaluation of the same command run through; a checkpoint of other settings is
+    refused, naming the setting. And an arm run alone, without CE, joins a CE run into that grid."""
+    import json
+    import subprocess
+
+    def grid_run(out, *extra):
+        cmd = [sys.executable, str(REPO / "bench" / "specopd.py"), "--grid", "--quick", "--seeds", "0", "--families",
+               "dflash", "--steps", "6", "--rounds", "3", "--out", str(out), "--png", str(tmp_path / "g.png"), *extra]
+        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    both = ["--objectives", "offpolicy_ce,onpolicy_accept_tv"]
+    straight = grid_run(tmp_path / "a.json", *both)
+    assert straight.returncode == 0, straight.stderr[-4000:]
+    ck = tmp_path / "ck"
+    stopped = grid_run(tmp_path / "b.json", *both, "--checkpoint", str(ck), "--stop-after", "0")
+    assert stopped.returncode == 3, stopped.stderr[-4000:]
+    assert "stopped after round 1/3" in stopped.stdout and (ck / "dflash-seed0.pt").exists()
+    assert not (tmp_path / "b.json").exists()  # no cell finished
+    other = grid_run(tmp_path / "b.json", *both, "--checkpoint", str(ck), "--lr-scale", "0.5")
+    assert other.returncode == 2 and "written by a run of other settings (lr_scale)" in other.stderr
+    again = grid_run(tmp_path / "b.json", *both, "--checkpoint", str(ck), "--stop-after", "0")
+    assert again.returncode == 3 and "resumed from" in again.stdout and "stopped after round 2/3" in again.stdout
+    last = grid_run(tmp_path / "b.json", *both, "--checkpoint", str(ck), "--stop-after", "0")
+    assert last.returncode == 0, last.stderr[-4000:]
+    assert not (ck / "dflash-seed0.pt").exists()  # the cell is in the JSON: its checkpoint is gone
+    a = json.loads((tmp_path / "a.json").read_text())["cells"]["dflash"]["0"]
+    b = json.loads((tmp_path / "b.json").read_text())["cells"]["dflash"]["0"]
+    assert b["resumed_after_rounds"] == [1, 2] and "resumed_after_rounds" not in a
+    for arm in ("offpolicy_ce", "onpolicy_accept_tv"):
+        assert a[arm]["final_sha"] != a[arm]["start_sha"]
+        for key in ("final_sha", "batches_sha", "distinct_sequences", "loss_first", "loss_last10", "steps"):
+            assert b[arm][key] == a[arm][key], (arm, key)
+    assert b["curve"] == a["curve"] and b["eval"] == a["eval"] and b["order"] == a["order"]
+    # the on-policy arm alone: no summary of its own, refused by --report alone, joined with a CE run
+    # it is the two-arm grid's cell
+    on, ce = grid_run(tmp_path / "on.json", "--objectives", "onpolicy_accept_tv"), \
+        grid_run(tmp_path / "ce.json", "--objectives", "offpolicy_ce")
+    assert on.returncode == 0 and ce.returncode == 0, on.stderr[-2000:] + ce.stderr[-2000:]
+    assert "no off-policy CE arm" in on.stdout and json.loads((tmp_path / "on.json").read_text())["summary"] is None
+    alone = grid.report([tmp_path / "on.json"], None)
+    assert alone == 2
+    joined = grid.merge([json.loads((tmp_path / p).read_text()) for p in ("on.json", "ce.json")])
+    cell = joined["cells"]["dflash"]["0"]
+    for arm in ("offpolicy_ce", "onpolicy_accept_tv"):
+        assert {k: v for k, v in cell[arm].items() if k != "seconds"} == \
+            {k: v for k, v in a[arm].items() if k != "seconds"}
+        assert cell["curve"][arm] == a["curve"][arm] and cell["eval"][arm] == a["eval"][arm]
+    assert grid.summarize(joined) == grid.summarize(json.loads((tmp_path / "a.json").read_text()))
 
 
 # ------------------------------------------------------------------------------ acceptance estimate
