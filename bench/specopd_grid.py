@@ -660,12 +660,12 @@ class Checkpoint:
             state = torch.load(self.path, weights_only=False)
         except Exception as e:
             raise CheckpointError(f"--checkpoint {self.path}: unreadable ({type(e).__name__}: {e}); "
-                             "delete it to start the cell over") from e
+                                  "delete it to start the cell over") from e
         diff = [k for k in self.settings if state["settings"].get(k) != self.settings[k]]
         if diff or state["init_sha"] != init_sha:
             why = ", ".join(diff) if diff else f"the warm start ({state['init_sha']} vs {init_sha}: another build)"
             raise CheckpointError(f"--checkpoint {self.path}: written by a run of other settings ({why}); "
-                             "delete it or name another --checkpoint directory")
+                                  "delete it or name another --checkpoint directory")
         for n, arm in arms.items():
             st = state["arms"][n]
             arm.d.load_state_dict(st["drafter"])
@@ -1393,6 +1393,9 @@ def report(paths, png: Optional[Path]) -> int:
     datas = [json.loads(Path(p).read_text()) for p in paths]
     try:
         if len({settings_of(d["config"])["lr_scale"] for d in datas}) > 1:
+            if any("offpolicy_ce" not in objectives_of(d) for d in datas):
+                raise ValueError("an --lr-scale sweep pairs every run's TV arms with its own off-policy CE arm: "
+                                 "a run without one cannot be in it")
             sw = lr_sweep(datas)
             print(lr_sweep_markdown(sw))
             if png is not None:
