@@ -50,7 +50,13 @@ def cache_path(kind: str, name: str) -> Path:
 
 
 def is_cached(kind: str, path: Path) -> bool:
-    return (path / ("cotrain_build.json" if kind == "model" else "metrics.json")).exists()
+    if kind == "model":
+        from cotrain.models.build_tiny import is_built
+
+        return is_built(path)
+    from cotrain.draft.cache import is_distilled
+
+    return is_distilled(path)
 
 
 def fill(kind: str, name: str) -> None:

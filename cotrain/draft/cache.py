@@ -73,7 +73,7 @@ def ensure_distilled(cfg: DistillConfig | str | Path, overrides: list[str] = (),
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f"{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / "metrics.json").exists():
+        if not is_distilled(out):
             tmp = Path(tempfile.mkdtemp(dir=root, prefix=out.name + ".tmp"))
             try:
                 distill(cfg.model_copy(update={"output_dir": str(tmp), "progress_bar": progress}))
@@ -82,6 +82,11 @@ def ensure_distilled(cfg: DistillConfig | str | Path, overrides: list[str] = (),
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
     return out
+
+
+def is_distilled(path: str | Path) -> bool:
+    """A finished distillation: its ``metrics.json`` is in the directory, which is published whole."""
+    return (Path(path) / "metrics.json").exists()
 
 
 def distilled_summary(path: str | Path) -> dict:

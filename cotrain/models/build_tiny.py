@@ -340,9 +340,14 @@ def ensure_builtin_model(model: str | BuiltinModel = "tiny", progress: bool = Tr
         fcntl.flock(lock, fcntl.LOCK_EX)  # other builders wait here, then find the finished directory
         if force and out.exists():
             shutil.rmtree(out)
-        if not (out / "cotrain_build.json").exists():
+        if not is_built(out):
             build(out, progress=progress, model=m)
     return out
+
+
+def is_built(path: Path) -> bool:
+    """A finished build: its report (``cotrain_build.json``) is in the directory, which a build publishes whole."""
+    return (Path(path) / "cotrain_build.json").exists()
 
 
 def ensure_tiny_model(progress: bool = True, force: bool = False) -> Path:
