@@ -142,6 +142,11 @@ def test_lr_sweep_pairs_every_scale_against_the_same_ce_arm(tmp_path, capsys):
         grid.lr_sweep([grid.json.loads(paths[0].read_text())] * 2)
     paths[2].write_text(grid.json.dumps(d))
     assert grid.report(paths, None) == 2 and "not in: steps" in capsys.readouterr().err
+    # a run without its CE arm has nothing to pair its TV arms with: refused by name
+    d = grid.json.loads(paths[0].read_text())
+    d["config"]["objectives"] = ["onpolicy_e2e_tv"]
+    paths[0].write_text(grid.json.dumps(d))
+    assert grid.report(paths[:2], None) == 2 and "a run without one cannot be in it" in capsys.readouterr().err
 
 
 def test_save_drafters_and_checkpoint_refuse_a_file(tmp_path):
