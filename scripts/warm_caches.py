@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         return 0
     if a.nice:
         os.nice(a.nice)
-    # SIGTERM (make stopping us) as an exception: the builders' cleanup removes their temporary folder
+    # SIGTERM as an exception: the builders' cleanup removes their temporary folder
     def stop(*_):
         print("[warm_caches] stopped", flush=True)
         sys.exit(143)

@@ -3,6 +3,7 @@
 (lowercase; everything but letters, digits, spaces, ``-`` and ``_`` dropped; spaces to ``-``; a
 repeated heading gets ``-1``, ``-2``, ...). Links inside fenced code blocks are not links."""
 
+import functools
 import re
 from pathlib import Path
 
@@ -33,7 +34,8 @@ def anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
 
 
-def anchors(page: Path) -> set[str]:
+@functools.lru_cache(maxsize=None)
+def anchors(page: Path) -> frozenset[str]:
     seen: dict[str, int] = {}
     out = set()
     for line in _prose(page.read_text()):
@@ -43,7 +45,7 @@ def anchors(page: Path) -> set[str]:
             n = seen.get(a, 0)
             out.add(a if n == 0 else f"{a}-{n}")
             seen[a] = n + 1
-    return out
+    return frozenset(out)
 
 
 def test_anchor_rule_by_hand():
