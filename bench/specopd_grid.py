@@ -63,7 +63,10 @@ A cell longer than a sitting (an on-policy arm of 20,480 steps on builtin:small 
 each arm's drafter, AdamW state, step, losses and curve; atomically), the same command again
 resumes at the round after it, to the same weights as a run that was never stopped (the batch
 stream is replayed to its step, anchors are drawn by (seed, step)), and ``--stop-after SECONDS``
-ends the run after the first round past that many seconds (exit 3: run it again to go on).
+ends the run after the first round past that many seconds (exit 3: run it again to go on). The
+data (the target's responses, 6-8 minutes on builtin:small) is cached by the hash of everything it
+depends on (:func:`grid_records`, ``$COTRAIN_CACHE/specopd-data``), so a later sitting starts
+training at once.
 """
 
 from __future__ import annotations
@@ -1057,11 +1060,79 @@ def main(argv: list[str]) -> int:
     return run_grid(a)
 
 
+def data_cache_dir() -> Path:
+    from cotrain.models.build_tiny import cache_root
+
+    return cache_root() / "specopd-data"
+
+
+def grid_records(model, tok, target_path: Path, train_prompts: list[str], eval_prompts: list[str], d,
+                 cache: Optional[Path] = None):
+    """The grid's data: the target's responses to the training prompts (the config's temperature)
+    and to the held-out ones (greedy, and at temperature 1), each with its greedy tail past the EOS
+    (:func:`cotrain.draft.distill.generate_records`) -> (train, eval greedy, eval sampled, cache file
+    or None if generated now).
+
+    Generating them takes 6-8 minutes on builtin:small, on every sitting of a run that resumes
+    (``--checkpoint``), so they are cached in ``cache`` (default ``$COTRAIN_CACHE/specopd-data``),
+    one file per sha256 of everything they depend on: the target's weights and tokenizer files, the
+    prompts, the generation settings, torch's and transformers' versions and the thread count. The
+    file holds the records and the torch RNG state that generation leaves behind (sampling reseeds
+    it), restored on a hit, so a run that reads the cache goes on bit for bit as one that generated
+    (tests/draft/test_specopd_grid.py). Written atomically; a file that does not load is named,
+    set aside and generated again."""
+    from cotrain.draft.distill import Record, generate_records
+
+    tail = max(d.tail_tokens, K)
+    calls = [(train_prompts, d.tail_tokens, d.temperature, d.seed), (eval_prompts, tail, 0.0, d.seed),
+             (eval_prompts, tail, 1.0, d.seed + 1)]
+    path = _records_cache_file(Path(target_path), calls, d.max_new_tokens, cache)
+    if path is not None and path.exists():
+        try:
+            got = torch.load(path, weights_only=True)
+            sets = [[Record(*r) for r in rs] for rs in got["records"]]
+            torch.set_rng_state(got["torch_rng"])
+            return (*sets, path)
+        except Exception as e:  # noqa: BLE001 - any damage: name it, keep it aside, generate again
+            bad = path.with_name(path.name + ".damaged")
+            os.replace(path, bad)
+            print(f"[data] {path} does not load ({type(e).__name__}: {e}); moved to {bad.name}, generating again",
+                  file=sys.stderr, flush=True)
+    sets = [generate_records(model, tok, ps, d.max_new_tokens, t, temp, seed) for ps, t, temp, seed in calls]
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        torch.save({"records": [[[r.prompt, r.response, r.tail] for r in rs] for rs in sets],
+                    "torch_rng": torch.get_rng_state()}, tmp)
+        os.replace(tmp, path)
+    return (*sets, None)
+
+
+def _records_cache_file(target_path: Path, calls: list, max_new_tokens: int, cache: Optional[Path]) -> Optional[Path]:
+    """The cache file of :func:`grid_records`'s data; None for a target that is not a local directory
+    (nothing to hash: no cache)."""
+    import transformers
+
+    if not target_path.is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(Path(target_path).glob("*")):
+        if f.is_file() and f.name != "cotrain_build.json":  # the build's log holds times: not the weights
+            h.update(f.name.encode() + b"\0")
+            with open(f, "rb") as fh:
+                while chunk := fh.read(1 << 24):
+                    h.update(chunk)
+    h.update(json.dumps({"calls": calls, "max_new_tokens": max_new_tokens, "torch": torch.__version__,
+                         "transformers": transformers.__version__, "threads": torch.get_num_threads()},
+                        sort_keys=True).encode())
+    return (cache or data_cache_dir()) / f"{h.hexdigest()[:32]}.pt"
+
+
 def run_grid(a) -> int:
     from transformers import AutoTokenizer
 
     from cotrain.draft.common import select_sequences
-    from cotrain.draft.distill import generate_records, load_prompts, records_to_batch
+    from cotrain.draft.distill import load_prompts, records_to_batch
     from cotrain.draft.registry import build_drafter
     from cotrain.draft.taps import TargetSpec, load_hf_target
     from cotrain.models.build_tiny import resolve_model_path
@@ -1084,13 +1155,11 @@ def run_grid(a) -> int:
     model, tok = load_hf_target(path), AutoTokenizer.from_pretrained(str(path))
     eos = tspec.eos_token_id
     prompts = load_prompts(d, a.pool + a.eval_seqs, d.seed)
-    train_rec = generate_records(model, tok, prompts[:a.pool], d.max_new_tokens, d.tail_tokens, d.temperature, d.seed)
     ev = prompts[a.pool:]
-    ev_greedy = generate_records(model, tok, ev, d.max_new_tokens, max(d.tail_tokens, K), 0.0, d.seed)
-    ev_sampled = generate_records(model, tok, ev, d.max_new_tokens, max(d.tail_tokens, K), 1.0, d.seed + 1)
+    train_rec, ev_greedy, ev_sampled, cached = grid_records(model, tok, path, prompts[:a.pool], ev, d)
     resp = sorted(len(r.response) for r in train_rec)
     print(f"[data] {a.pool} training / {a.eval_seqs} held-out sequences (response median {statistics.median(resp)} "
-          f"tokens) in {time.time() - t_start:.1f} s", flush=True)
+          f"tokens) " + (f"from {cached}" if cached else f"in {time.time() - t_start:.1f} s"), flush=True)
     config = {**settings, "families": a.families, "plateau_pct": a.plateau_pct, "k": K, "serve": a.serve,
               "serve_t1_samples": a.serve_t1_samples,
               "sampled_drafts": a.sampled_drafts,

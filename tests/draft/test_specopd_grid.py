@@ -227,6 +227,60 @@ def test_checkpoint_resumes_to_the_weights_of_a_run_never_stopped(tmp_path):
     assert grid.summarize(joined) == grid.summarize(json.loads((tmp_path / "a.json").read_text()))
 
 
+def test_grid_records_cache_is_transparent(tiny_model_path, hf_target, one_thread, tmp_path, monkeypatch, capsys):
+    """The grid's data cache returns what generation returns and leaves the torch RNG where generation
+    leaves it (a cached run goes on bit for bit); a change in the prompts or the target's files misses;
+    a damaged file is named, set aside and generated again."""
+    import shutil
+
+    from cotrain.draft import distill
+
+    model, tok = hf_target
+    d = grid.family_config("tiny", "dflash", 4, constant=True).data
+    prompts = distill.load_prompts(d, 9, d.seed)
+    train_p, ev_p = prompts[:5], prompts[5:]
+    cache = tmp_path / "cache"
+
+    def fields(rs):
+        return [(r.prompt, r.response, r.tail) for r in rs]
+
+    torch.manual_seed(5)
+    *gen, where = grid.grid_records(model, tok, tiny_model_path, train_p, ev_p, d, cache=cache)
+    rng_after = torch.get_rng_state()
+    assert where is None and len(list(cache.glob("*.pt"))) == 1
+    tail = max(d.tail_tokens, grid.K)  # the reference: the three calls the grid makes, made directly
+    ref = [distill.generate_records(model, tok, train_p, d.max_new_tokens, d.tail_tokens, d.temperature, d.seed),
+           distill.generate_records(model, tok, ev_p, d.max_new_tokens, tail, 0.0, d.seed),
+           distill.generate_records(model, tok, ev_p, d.max_new_tokens, tail, 1.0, d.seed + 1)]
+    assert [fields(x) for x in gen] == [fields(x) for x in ref]
+    assert all(r.tail for r in gen[1])  # the greedy tails past the EOS are part of the data
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("generated on a cache hit")
+
+    monkeypatch.setattr(distill, "generate_records", no_generation)
+    torch.manual_seed(99)  # another RNG state before: the hit restores generation's
+    *hit, where = grid.grid_records(model, tok, tiny_model_path, train_p, ev_p, d, cache=cache)
+    assert where is not None and where.parent == cache
+    assert [fields(x) for x in hit] == [fields(x) for x in gen]
+    assert torch.equal(torch.get_rng_state(), rng_after)
+
+    with pytest.raises(AssertionError, match="generated on a cache hit"):  # other prompts: a miss
+        grid.grid_records(model, tok, tiny_model_path, train_p[:4], ev_p, d, cache=cache)
+    other = tmp_path / "other-target"  # the same weights, one file edited: a miss
+    shutil.copytree(tiny_model_path, other)
+    (other / "tokenizer_config.json").write_text((other / "tokenizer_config.json").read_text() + "\n")
+    with pytest.raises(AssertionError, match="generated on a cache hit"):
+        grid.grid_records(model, tok, other, train_p, ev_p, d, cache=cache)
+
+    monkeypatch.undo()
+    where.write_bytes(b"not a torch file")
+    *again, w2 = grid.grid_records(model, tok, tiny_model_path, train_p, ev_p, d, cache=cache)
+    assert w2 is None and [fields(x) for x in again] == [fields(x) for x in gen]
+    assert where.with_name(where.name + ".damaged").exists() and where.exists()
+    assert str(where) in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------ acceptance estimate
 @pytest.fixture(scope="module")
 def drafters(hf_target, target):
