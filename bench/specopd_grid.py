@@ -638,7 +638,7 @@ class Checkpoint:
     naming what differs: a checkpoint of other settings is not this cell's)."""
 
     def __init__(self, root: Path, family: str, seed: int, settings: dict):
-        self.path = root / f"{family}-seed{seed}.pt"
+        self.path = self.file(root, family, seed)
         self.settings = {k: v for k, v in settings.items() if k != "seeds"}  # the cell's seed is in the name
 
     def save(self, rounds_done: int, init_sha: str, arms: dict, curve: dict, order_log: list, seconds: float,
@@ -680,8 +680,9 @@ class Checkpoint:
         torch.set_rng_state(state["torch_rng"])
         return {k: state[k] for k in ("rounds_done", "curve", "order", "seconds", "resumed")}
 
-    def remove(self) -> None:
-        self.path.unlink(missing_ok=True)
+    @staticmethod
+    def file(root: Path, family: str, seed: int) -> Path:
+        return root / f"{family}-seed{seed}.pt"
 
 
 def family_config(target: str, family: str, batch_size: int, constant: bool):
@@ -1113,11 +1114,13 @@ def _records_cache_file(target_path: Path, calls: list, max_new_tokens: int, cac
     (nothing to hash: no cache)."""
     import transformers
 
+    from cotrain.models.build_tiny import BUILD_REPORT
+
     if not target_path.is_dir():
         return None
     h = hashlib.sha256()
     for f in sorted(Path(target_path).glob("*")):
-        if f.is_file() and f.name != "cotrain_build.json":  # the build's log holds times: not the weights
+        if f.is_file() and f.name != BUILD_REPORT:  # the build's report holds times: not the weights
             h.update(f.name.encode() + b"\0")
             with open(f, "rb") as fh:
                 while chunk := fh.read(1 << 24):
@@ -1211,7 +1214,7 @@ def run_grid(a) -> int:
             tmp.write_text(json.dumps(data, separators=(",", ":")))
             os.replace(tmp, a.out)
             if a.checkpoint is not None:  # the cell is in the JSON now
-                Checkpoint(a.checkpoint, f, seed, {}).remove()
+                Checkpoint.file(a.checkpoint, f, seed).unlink(missing_ok=True)
             ev_ = cells[str(seed)]["eval"]
             print(f"[cell] {f} seed {seed} in {time.time() - t0:.0f} s: T=0 " + ", ".join(
                 f"{arm} {ev_[arm]['0']['acceptance_len']:.3f}" for arm in ev_) + "; T=1 " + ", ".join(

@@ -44,6 +44,11 @@ from cotrain.tasks.data import Problem, arithmetic_dataset, arithmetic_problem
 BUILD_VERSION = get_builtin("tiny").build_version  # the tiny model's (each built-in model has its own)
 
 
+#: the build's report (accuracy, seconds, key), in the directory beside the weights; a build publishes the
+#: directory whole (a rename), so the report's presence marks a finished build (:func:`is_built`)
+BUILD_REPORT = "cotrain_build.json"
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("COTRAIN_CACHE", Path.home() / ".cache" / "cotrain"))
 
@@ -322,7 +327,7 @@ def _build(out_dir: Path, m: BuiltinModel, progress: bool) -> dict:
                   "build_seconds": round(time.time() - t0, 1), "threads": m.threads, "key": build_key(m),
                   "parameters": sum(p.numel() for p in model.parameters()), "task": m.task,
                   "task_params": m.task_params, "sft": m.sft}
-        (tmp / "cotrain_build.json").write_text(json.dumps(report, indent=2))
+        (tmp / BUILD_REPORT).write_text(json.dumps(report, indent=2))
         os.replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -346,8 +351,8 @@ def ensure_builtin_model(model: str | BuiltinModel = "tiny", progress: bool = Tr
 
 
 def is_built(path: Path) -> bool:
-    """A finished build: its report (``cotrain_build.json``) is in the directory, which a build publishes whole."""
-    return (Path(path) / "cotrain_build.json").exists()
+    """A finished build: its report (:data:`BUILD_REPORT`) is in the directory, which a build publishes whole."""
+    return (Path(path) / BUILD_REPORT).exists()
 
 
 def ensure_tiny_model(progress: bool = True, force: bool = False) -> Path:
@@ -369,7 +374,7 @@ def resolve_model_path(model_path: str, progress: bool = True) -> Path:
 
 
 def build_report(path: Path) -> dict:
-    return json.loads((Path(path) / "cotrain_build.json").read_text())
+    return json.loads((Path(path) / BUILD_REPORT).read_text())
 
 
 def main(argv=None) -> None:
