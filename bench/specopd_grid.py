@@ -538,13 +538,12 @@ def save_drafters(drafters: dict, out_dir: Path, family: str, seed: int) -> dict
     rename), so that a later session can measure them again without retraining (a 10,240-step arm
     is most of an hour). Returns {arm: {"file", "sha"}}: the file's name and :func:`state_hash`,
     which a loader checks against the cell's hashes."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    from cotrain.checkpoint import atomic_torch_save
+
     saved = {}
     for arm, d in drafters.items():
         path = out_dir / f"{family}-seed{seed}-{arm}.pt"
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save({name: t.detach().clone() for name, t in d.state_dict().items()}, tmp)
-        os.replace(tmp, path)
+        atomic_torch_save({name: t.detach().clone() for name, t in d.state_dict().items()}, path)
         saved[arm] = {"file": path.name, "sha": state_hash(d)}
     return saved
 
@@ -643,16 +642,15 @@ class Checkpoint:
 
     def save(self, rounds_done: int, init_sha: str, arms: dict, curve: dict, order_log: list, seconds: float,
              resumed: list) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        from cotrain.checkpoint import atomic_torch_save
+
         state = {"settings": self.settings, "init_sha": init_sha, "rounds_done": rounds_done, "seconds": seconds,
                  "resumed": resumed,
                  "curve": curve, "order": order_log, "torch_rng": torch.get_rng_state(),
                  "arms": {n: {"drafter": arm.d.state_dict(), "optimizer": arm.opt.state_dict(), "step": arm.step,
                               "losses": arm.losses, "seconds": arm.seconds, "sha": state_hash(arm.d)}
                           for n, arm in arms.items()}}
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, self.path)
+        atomic_torch_save(state, self.path)
 
     def load(self, init_sha: str, arms: dict) -> Optional[dict]:
         """Restore ``arms`` from the file if there is one; returns {rounds_done, curve, order, seconds,
@@ -1082,6 +1080,7 @@ def grid_records(model, tok, target_path: Path, train_prompts: list[str], eval_p
     it), restored on a hit, so a run that reads the cache goes on bit for bit as one that generated
     (tests/draft/test_specopd_grid.py). Written atomically; a file that does not load is named,
     set aside and generated again."""
+    from cotrain.checkpoint import atomic_torch_save, load_plain
     from cotrain.draft.distill import Record, generate_records
 
     tail = max(d.tail_tokens, K)
@@ -1090,7 +1089,7 @@ def grid_records(model, tok, target_path: Path, train_prompts: list[str], eval_p
     path = _records_cache_file(Path(target_path), calls, d.max_new_tokens, cache)
     if path is not None and path.exists():
         try:
-            got = torch.load(path, weights_only=True)
+            got = load_plain(path)
             sets = [[Record(*r) for r in rs] for rs in got["records"]]
             torch.set_rng_state(got["torch_rng"])
             return (*sets, path)
@@ -1101,11 +1100,8 @@ def grid_records(model, tok, target_path: Path, train_prompts: list[str], eval_p
                   file=sys.stderr, flush=True)
     sets = [generate_records(model, tok, ps, d.max_new_tokens, t, temp, seed) for ps, t, temp, seed in calls]
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        torch.save({"records": [[[r.prompt, r.response, r.tail] for r in rs] for rs in sets],
-                    "torch_rng": torch.get_rng_state()}, tmp)
-        os.replace(tmp, path)
+        atomic_torch_save({"records": [[[r.prompt, r.response, r.tail] for r in rs] for rs in sets],
+                           "torch_rng": torch.get_rng_state()}, path)
     return (*sets, None)
 
 
@@ -1114,17 +1110,15 @@ def _records_cache_file(target_path: Path, calls: list, max_new_tokens: int, cac
     (nothing to hash: no cache)."""
     import transformers
 
+    from cotrain.checkpoint import sha256_file
     from cotrain.models.build_tiny import BUILD_REPORT
 
     if not target_path.is_dir():
         return None
     h = hashlib.sha256()
-    for f in sorted(Path(target_path).glob("*")):
+    for f in sorted(target_path.glob("*")):
         if f.is_file() and f.name != BUILD_REPORT:  # the build's report holds times: not the weights
-            h.update(f.name.encode() + b"\0")
-            with open(f, "rb") as fh:
-                while chunk := fh.read(1 << 24):
-                    h.update(chunk)
+            h.update(f"{f.name}\0{sha256_file(f)}\n".encode())
     h.update(json.dumps({"calls": calls, "max_new_tokens": max_new_tokens, "torch": torch.__version__,
                          "transformers": transformers.__version__, "threads": torch.get_num_threads()},
                         sort_keys=True).encode())
@@ -1134,6 +1128,7 @@ def _records_cache_file(target_path: Path, calls: list, max_new_tokens: int, cac
 def run_grid(a) -> int:
     from transformers import AutoTokenizer
 
+    from cotrain.checkpoint import atomic_write_bytes
     from cotrain.draft.common import select_sequences
     from cotrain.draft.distill import load_prompts, records_to_batch
     from cotrain.draft.registry import build_drafter
@@ -1209,10 +1204,7 @@ def run_grid(a) -> int:
                 return 2
             data["seconds"] = data.get("seconds", 0.0) + (time.time() - t0)
             data["summary"] = summarize(data) if "offpolicy_ce" in a.objectives else None
-            a.out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = a.out.with_name(a.out.name + ".tmp")
-            tmp.write_text(json.dumps(data, separators=(",", ":")))
-            os.replace(tmp, a.out)
+            atomic_write_bytes(a.out, json.dumps(data, separators=(",", ":")).encode())
             if a.checkpoint is not None:  # the cell is in the JSON now
                 Checkpoint.file(a.checkpoint, f, seed).unlink(missing_ok=True)
             ev_ = cells[str(seed)]["eval"]

@@ -45,7 +45,8 @@ class CheckpointWarning(UserWarning):
     """A damaged checkpoint was skipped in favour of an older one."""
 
 
-def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    """The sha256 of a file's bytes, read in chunks (hex)."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         while block := f.read(chunk):
@@ -62,7 +63,7 @@ def _payload_files(d: Path) -> list[Path]:
 def write_manifest(d: Path) -> dict:
     """Record the size and sha256 of every payload file of step directory ``d`` (atomically)."""
     d = Path(d)
-    files = {p.relative_to(d).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in _payload_files(d)}
+    files = {p.relative_to(d).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in _payload_files(d)}
     manifest = {"version": 1, "files": files}
     atomic_write_bytes(d / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
     return manifest
@@ -101,7 +102,7 @@ def verify_checkpoint(d: Path, hashes: bool = True) -> list[str]:
         size = p.stat().st_size
         if size != meta["size"]:
             problems.append(f"{p}: {size} bytes, the manifest says {meta['size']} (truncated or overwritten)")
-        elif hashes and _sha256(p) != meta["sha256"]:
+        elif hashes and sha256_file(p) != meta["sha256"]:
             problems.append(f"{p}: sha256 differs from the manifest (corrupted)")
     return problems
 

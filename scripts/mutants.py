@@ -143,7 +143,7 @@ MUTANTS: list[Mutant] = [
       "if size != meta[\"size\"]:", "if False:",
       ["tests/test_checkpoint.py"], "a truncated file passes verification"),
     M("rl.checkpoint_no_hash", "cotrain/checkpoint.py",
-      "elif hashes and _sha256(p) != meta[\"sha256\"]:", "elif False:",
+      "elif hashes and sha256_file(p) != meta[\"sha256\"]:", "elif False:",
       ["tests/test_checkpoint.py"], "a same-size corruption passes verification"),
     M("rl.checkpoint_stale_partial_kept", "cotrain/checkpoint.py",
       "        if d.exists():  # a stale partial write of the same step: start it over\n            shutil.rmtree(d)\n"
